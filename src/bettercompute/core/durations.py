@@ -1,0 +1,76 @@
+"""Durations as people write them ('8h', '90m', '2h30m') and as we store them (milliseconds).
+
+Normalisation is what makes ``'2h'`` and ``7200000`` the same request, so it lives in one place.
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+MS_PER_UNIT = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "ms": 1}
+
+# Units must appear largest first and at most once ('2h30m', not '30m2h' or '1h1h').
+_PART = re.compile(r"(\d{1,9})(ms|d|h|m|s)")
+_ORDER = ["d", "h", "m", "s", "ms"]
+
+#: The longest window one request may ask for; longer is almost certainly a typo.
+MAX_DURATION_MS = 366 * MS_PER_UNIT["d"]
+
+
+class DurationError(ValueError):
+    """A duration that cannot be read; the message says why, for the caller to show."""
+
+
+def parse_duration_ms(value: object) -> int:
+    """Read a duration as an integer of milliseconds or a string like '2h30m' or '28800000ms'.
+
+    Returns a positive number of milliseconds no larger than ``MAX_DURATION_MS``.
+    """
+    if isinstance(value, bool):
+        raise DurationError("must be a duration such as '8h', '90m', '2h30m' or milliseconds")
+    if isinstance(value, int):
+        ms = value
+    elif isinstance(value, str):
+        ms = _parse_text(value.strip())
+    else:
+        raise DurationError("must be a duration such as '8h', '90m', '2h30m' or milliseconds")
+    if ms <= 0:
+        raise DurationError("must be longer than zero")
+    if ms > MAX_DURATION_MS:
+        raise DurationError("must be at most 366 days")
+    return ms
+
+
+def _parse_text(text: str) -> int:
+    if not text:
+        raise DurationError("must not be empty")
+    if text.isdigit():
+        return int(text)
+    pos = 0
+    total = 0
+    last_rank = -1
+    while pos < len(text):
+        match = _PART.match(text, pos)
+        if match is None:
+            raise DurationError(
+                f"cannot read {text!r}: use numbers with units d, h, m, s or ms, such as '2h30m'"
+            )
+        number, unit = match.groups()
+        rank = _ORDER.index(unit)
+        if rank <= last_rank:
+            raise DurationError(f"cannot read {text!r}: units must go from largest to smallest")
+        last_rank = rank
+        total += int(number) * MS_PER_UNIT[unit]
+        pos = match.end()
+    return total
+
+
+def format_ms(ms: int) -> str:
+    """The stored form of a duration, as the guide shows it: ``'28800000ms'``."""
+    return f"{ms}ms"
+
+
+def hours(ms: int) -> float:
+    """Hours to three decimals, the precision policies see (``durationHours``)."""
+    return round(ms / MS_PER_UNIT["h"], 3)

@@ -1,0 +1,411 @@
+"""Placement: which concrete devices ("atoms") of a pool a reservation books.
+
+Why it exists: booking must name exact devices (a GPU UUID, a MIG instance, a time-slice slot),
+and the choice decides how fragmented the pool becomes. Keeping that choice in one pure
+function of (snapshot, demand) makes it exhaustively testable, deterministic for the same input,
+and reusable both by the booking transaction and by dry runs that only explain a refusal.
+
+What it must never do: I/O of any kind (database, network, files, logging) and never read a
+clock. The caller takes the snapshot - including which atoms are already booked in an
+overlapping window - and passes it in. A demand that cannot be placed is a ``NoFit`` value,
+never an exception; ``ValueError`` is only for a demand that makes no sense.
+
+How: each node goes through the filters ready -> labels -> health -> capacity -> topology and
+is counted against the first that rejects it. Among the nodes that fit, best fit wins: the node
+left with the fewest free matching atoms, tie-broken by node name then id.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Literal, NamedTuple
+
+AtomKind = Literal["gpu", "mig", "slot"]
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One bookable unit: a whole GPU, a MIG instance, or a time-slice/MPS slot."""
+
+    id: str
+    node_id: str
+    kind: AtomKind
+    device_id: str  # GPU UUID for gpu, MIG device UUID for mig, slot id for slot
+    parent_gpu: str  # device id of the physical GPU (== device_id for a gpu atom)
+    profile: str | None  # MIG profile like "1g.10gb" for mig atoms, else None
+    numa_node: int | None
+    nvlink_domain: str | None  # GPUs sharing a domain are NVLink-connected; None = no NVLink
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    name: str
+    ready: bool
+    connected: bool
+    labels: Mapping[str, str]  # only labels whose source is "system"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: Sequence[Node]
+    atoms: Sequence[Atom]  # all atoms of the pool's nodes
+    busy: frozenset[str]  # atom ids already booked in an overlapping window
+
+
+@dataclass(frozen=True)
+class DeviceDemand:
+    device_class: AtomKind
+    count: int
+    topology: Literal["any", "nvlink-all"] = "any"
+    profile: str | None = None  # required for "mig": only atoms with this profile match
+
+
+@dataclass(frozen=True)
+class Demand:
+    devices: Sequence[DeviceDemand]  # all of these, per gang member, on ONE node
+    gang_size: int = 1  # each member on a DISTINCT node
+    # Binding "node": a member books every atom of a node, which must have no busy atom and
+    # every atom healthy; ``devices`` is ignored.
+    whole_node: bool = False
+    # Value "*" means "label present with any value".
+    required_labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    atom_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Placed:
+    members: tuple[Member, ...]  # one per gang member, in order
+
+
+@dataclass(frozen=True)
+class NoFit:
+    message: str  # human summary, e.g. "0 of 8 nodes fit: 2 not ready, 5 too few free gpu"
+    # Filter name -> number of nodes it rejected; names: "ready", "labels", "health",
+    # "capacity", "topology", "gang". Only filters that rejected something appear.
+    rejected: Mapping[str, int]
+
+
+Outcome = Placed | NoFit
+
+# The order filters run in; a node is counted against the first that rejects it, and the
+# message lists reasons in this order too.
+_FILTERS = ("ready", "labels", "health", "capacity", "topology", "gang")
+
+# What one device entry may take from: the atom kind, plus the profile for MIG.
+_Pool = tuple[str, str | None]
+
+# The fields that decide what an atom counts towards; read in C by ``Counter(map(...))`` because
+# the pass over all atoms is the one part of a placement whose cost grows with the pool.
+_ATOM_KEY = attrgetter("node_id", "kind", "profile", "nvlink_domain", "healthy")
+
+
+class _Stock:
+    """One node's atoms as counts, so screening a node is arithmetic rather than a scan."""
+
+    __slots__ = ("free", "sick", "sick_domains", "size", "usable", "usable_domains")
+
+    def __init__(self) -> None:
+        self.size = 0  # all atoms
+        self.free = 0  # atoms not in ``busy``
+        self.usable: dict[_Pool, int] = {}  # healthy and not busy
+        self.usable_domains: dict[str, int] = {}  # usable GPUs per NVLink domain
+        self.sick: dict[_Pool, int] = {}  # unhealthy and not busy
+        self.sick_domains: dict[str, int] = {}
+
+
+class _Ask(NamedTuple):
+    """The demand, prepared once so the per-node loop does no sorting of its own."""
+
+    devices: tuple[DeviceDemand, ...]
+    pools: tuple[_Pool, ...]  # per entry
+    distinct_pools: frozenset[_Pool]
+    order: list[int]  # the order entries are solved in
+    total: int  # atoms one member takes
+    labels: list[tuple[str, str]]  # required labels, sorted by name
+
+
+class _Reject(NamedTuple):
+    filter: str
+    reason: str
+
+
+_NOT_READY = _Reject("ready", "not ready")
+
+# Plan: per device entry, the NVLink domain it must take from, or None for "anywhere".
+_Plan = list[str | None]
+
+
+class _Fit(NamedTuple):
+    node: Node
+    leftover: int  # free matching atoms the node still has after this placement
+    plan: _Plan | None  # None for a whole node
+
+
+class _Shortfall(NamedTuple):
+    entry: DeviceDemand
+    topology: bool  # True: enough atoms, but no single NVLink domain holds them
+
+
+def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
+    """Choose the nodes and atoms for ``demand``, or explain why nothing fits."""
+    _validate(demand)
+    ask = _prepare(demand)
+    stocks = _stock_up(snapshot)
+    if not stocks:
+        return NoFit(message="the pool has no nodes", rejected={})
+    fits: list[_Fit] = []
+    rejects: Counter[_Reject] = Counter()
+    for node in snapshot.nodes:
+        stock = stocks.pop(node.id, None)
+        if stock is None:  # a repeated node id: the first one is the node
+            continue
+        verdict = _screen(node=node, stock=stock, ask=ask, whole_node=demand.whole_node)
+        if isinstance(verdict, _Fit):
+            fits.append(verdict)
+        else:
+            rejects[verdict] += 1
+    if len(fits) < demand.gang_size:
+        node_count = len(fits) + rejects.total()
+        return _no_fit(node_count=node_count, fit_count=len(fits), rejects=rejects, demand=demand)
+    fits.sort(key=lambda f: (f.leftover, f.node.name, f.node.id))
+    chosen = fits[: demand.gang_size]
+    atoms_of = _atoms_of(snapshot=snapshot, node_ids={f.node.id for f in chosen})
+    return Placed(
+        members=tuple(
+            Member(
+                node_id=fit.node.id,
+                atom_ids=_take(fit=fit, atoms=atoms_of[fit.node.id], ask=ask, busy=snapshot.busy),
+            )
+            for fit in chosen
+        )
+    )
+
+
+def _validate(demand: Demand) -> None:
+    # The same class rules as the request layer, so a demand built by hand can't slip past them.
+    if demand.gang_size < 1:
+        raise ValueError(f"gang_size must be at least 1, got {demand.gang_size}")
+    if demand.whole_node:
+        return
+    if not demand.devices:
+        raise ValueError("a demand needs at least one device entry unless it is whole_node")
+    for entry in demand.devices:
+        if entry.count < 1:
+            raise ValueError(f"device count must be at least 1, got {entry.count}")
+        if entry.device_class == "mig" and entry.profile is None:
+            raise ValueError("a mig device needs a profile such as '1g.10gb'")
+        if entry.device_class != "mig" and entry.profile is not None:
+            raise ValueError("profile is only for class 'mig'")
+        if entry.topology == "nvlink-all" and entry.device_class != "gpu":
+            raise ValueError("topology 'nvlink-all' is only for whole GPUs (class 'gpu')")
+
+
+def _prepare(demand: Demand) -> _Ask:
+    devices = () if demand.whole_node else tuple(demand.devices)
+    # Greedy, most constrained first: NVLink entries need a whole domain and larger counts are
+    # harder to fit, so they choose before entries that can take atoms from anywhere.
+    order = sorted(
+        range(len(devices)), key=lambda i: (devices[i].topology != "nvlink-all", -devices[i].count)
+    )
+    return _Ask(
+        devices=devices,
+        pools=tuple((e.device_class, e.profile) for e in devices),
+        distinct_pools=frozenset((e.device_class, e.profile) for e in devices),
+        order=order,
+        total=sum(e.count for e in devices),
+        labels=sorted(demand.required_labels.items()),
+    )
+
+
+def _stock_up(snapshot: Snapshot) -> dict[str, _Stock]:
+    stocks = {node.id: _Stock() for node in snapshot.nodes}
+    for node_id, size in Counter(map(attrgetter("node_id"), snapshot.atoms)).items():
+        if node_id in stocks:  # atoms of a node outside the pool can't be booked here
+            stocks[node_id].size = size
+    busy = snapshot.busy
+    free = [a for a in snapshot.atoms if a.id not in busy]
+    # Loops over distinct (node, kind, profile, domain, health) keys: about one per GPU domain.
+    for (node_id, kind, profile, domain, healthy), n in Counter(map(_ATOM_KEY, free)).items():
+        stock = stocks.get(node_id)
+        if stock is None:
+            continue
+        stock.free += n
+        counts, domains = (
+            (stock.usable, stock.usable_domains) if healthy else (stock.sick, stock.sick_domains)
+        )
+        pool = (kind, profile if kind == "mig" else None)
+        counts[pool] = counts.get(pool, 0) + n
+        if kind == "gpu" and domain is not None:
+            domains[domain] = domains.get(domain, 0) + n
+    return stocks
+
+
+def _screen(*, node: Node, stock: _Stock, ask: _Ask, whole_node: bool) -> _Fit | _Reject:
+    """The node's fit (with its best-fit score), or the first filter that rejects it."""
+    if not (node.ready and node.connected):
+        return _NOT_READY
+    labels = node.labels
+    for name, value in ask.labels:
+        actual = labels.get(name)
+        if actual is None or (value != "*" and actual != value):
+            return _Reject("labels", f"lack label {name}={value}")
+    if whole_node:
+        return _screen_whole_node(node=node, stock=stock)
+    plan = _plan(ask=ask, counts=stock.usable, domains=stock.usable_domains)
+    if isinstance(plan, _Shortfall):
+        return _why_not(shortfall=plan, stock=stock, ask=ask)
+    usable = stock.usable
+    matching = sum(usable.get(pool, 0) for pool in ask.distinct_pools)
+    return _Fit(node, matching - ask.total, plan)
+
+
+def _screen_whole_node(*, node: Node, stock: _Stock) -> _Fit | _Reject:
+    # A node without atoms can't be held exclusively (there is nothing to book), so it never fits.
+    if not stock.size:
+        return _Reject("capacity", "have no devices")
+    if stock.free < stock.size:
+        return _Reject("capacity", "have booked devices")
+    if stock.sick:
+        return _Reject("health", "have unhealthy devices")
+    # Best fit for a whole node is the smallest one, so bigger nodes stay free for bigger asks.
+    return _Fit(node=node, leftover=stock.size, plan=None)
+
+
+def _plan(
+    *, ask: _Ask, counts: Mapping[_Pool, int], domains: Mapping[str, int]
+) -> _Plan | _Shortfall:
+    """Decide each entry's NVLink domain from counts alone, or name the first entry that's short.
+
+    ``_take`` then picks atoms by this plan; the counts guarantee it always finds enough.
+    """
+    used: dict[_Pool, int] = {}
+    used_in: dict[str, int] = {}
+    plan: _Plan = [None] * len(ask.devices)
+    for index in ask.order:
+        entry, pool = ask.devices[index], ask.pools[index]
+        need = used.get(pool, 0) + entry.count
+        if counts.get(pool, 0) < need:
+            return _Shortfall(entry=entry, topology=False)
+        used[pool] = need
+        if entry.topology == "nvlink-all":
+            # Best fit: the domain with the fewest free GPUs that still holds the whole entry.
+            best: tuple[int, str] | None = None
+            for domain, n in domains.items():
+                free = n - used_in.get(domain, 0)
+                if free >= entry.count and (best is None or (free, domain) < best):
+                    best = (free, domain)
+            if best is None:
+                return _Shortfall(entry=entry, topology=True)
+            used_in[best[1]] = used_in.get(best[1], 0) + entry.count
+            plan[index] = best[1]
+    return plan
+
+
+def _why_not(*, shortfall: _Shortfall, stock: _Stock, ask: _Ask) -> _Reject:
+    # Health comes first: if the node would fit counting its unhealthy atoms, they are the cause.
+    if stock.sick:
+        counts = Counter(stock.usable) + Counter(stock.sick)
+        domains = Counter(stock.usable_domains) + Counter(stock.sick_domains)
+        if not isinstance(_plan(ask=ask, counts=counts, domains=domains), _Shortfall):
+            return _Reject("health", f"too few healthy {shortfall.entry.device_class}")
+    entry = shortfall.entry
+    if shortfall.topology:
+        return _Reject("topology", f"no NVLink domain with {entry.count} free gpu")
+    suffix = f" {entry.profile}" if entry.profile else ""
+    return _Reject("capacity", f"too few free {entry.device_class}{suffix}")
+
+
+def _atoms_of(*, snapshot: Snapshot, node_ids: set[str]) -> dict[str, list[Atom]]:
+    out: dict[str, list[Atom]] = {node_id: [] for node_id in node_ids}
+    for atom in [a for a in snapshot.atoms if a.node_id in node_ids]:
+        out[atom.node_id].append(atom)
+    return out
+
+
+def _take(*, fit: _Fit, atoms: list[Atom], ask: _Ask, busy: frozenset[str]) -> tuple[str, ...]:
+    """The atom ids for a node that fits, in the demand's entry order."""
+    if fit.plan is None:
+        return tuple(sorted(a.id for a in atoms))
+    usable = [a for a in atoms if a.healthy and a.id not in busy]
+    parent_free = Counter(a.parent_gpu for a in usable)
+
+    def key(atom: Atom) -> tuple[int, str, str, str]:
+        # Whole GPUs go in device order; MIG and slots pack onto the most used parent GPU first,
+        # so lightly used GPUs stay whole for bigger requests.
+        fullness = 0 if atom.kind == "gpu" else parent_free[atom.parent_gpu]
+        return (fullness, atom.parent_gpu, atom.device_id, atom.id)
+
+    taken: set[str] = set()
+    picked: dict[int, list[Atom]] = {}
+    for index in ask.order:
+        entry, domain = ask.devices[index], fit.plan[index]
+        pool = [
+            a
+            for a in usable
+            if a.id not in taken
+            and _matches(a, entry)
+            and (domain is None or a.nvlink_domain == domain)
+        ]
+        picked[index] = _pick(pool=pool, entry=entry, key=key)
+        taken.update(a.id for a in picked[index])
+    return tuple(a.id for index in range(len(ask.devices)) for a in picked[index])
+
+
+def _matches(atom: Atom, entry: DeviceDemand) -> bool:
+    return atom.kind == entry.device_class and (
+        entry.device_class != "mig" or atom.profile == entry.profile
+    )
+
+
+def _pick(
+    *, pool: list[Atom], entry: DeviceDemand, key: Callable[[Atom], tuple[int, str, str, str]]
+) -> list[Atom]:
+    """``entry.count`` atoms of ``pool``, which the plan guarantees holds at least that many."""
+    if entry.device_class != "gpu" or entry.topology == "nvlink-all":
+        return sorted(pool, key=key)[: entry.count]  # nvlink-all: the pool is the planned domain
+    by_domain: dict[str | None, list[Atom]] = defaultdict(list)
+    for atom in pool:
+        by_domain[atom.nvlink_domain].append(atom)
+    # "any" still prefers one NVLink domain: the one with the fewest free GPUs that holds it all.
+    fitting = sorted(
+        (len(atoms), domain)
+        for domain, atoms in by_domain.items()
+        if domain is not None and len(atoms) >= entry.count
+    )
+    if fitting:
+        return sorted(by_domain[fitting[0][1]], key=key)[: entry.count]
+    # Otherwise spill: GPUs without NVLink first, then the smallest domains, so the big domains
+    # stay whole for later nvlink-all requests.
+    order = sorted(by_domain, key=lambda d: (d is not None, len(by_domain[d]), d or ""))
+    spilled = [a for domain in order for a in sorted(by_domain[domain], key=key)]
+    return spilled[: entry.count]
+
+
+def _no_fit(*, node_count: int, fit_count: int, rejects: Counter[_Reject], demand: Demand) -> NoFit:
+    rejected: dict[str, int] = {}
+    for reject, count in rejects.items():
+        rejected[reject.filter] = rejected.get(reject.filter, 0) + count
+    if fit_count:
+        # Some nodes fit on their own; the gang is what's short.
+        rejected["gang"] = demand.gang_size - fit_count
+        message = f"{fit_count} of {node_count} nodes fit, the gang needs {demand.gang_size}"
+        return NoFit(message=message, rejected=_in_filter_order(rejected))
+    parts = sorted(rejects.items(), key=lambda kv: (_FILTERS.index(kv[0].filter), kv[0].reason))
+    reasons = ", ".join(f"{count} {reject.reason}" for reject, count in parts)
+    return NoFit(
+        message=f"0 of {node_count} nodes fit: {reasons}", rejected=_in_filter_order(rejected)
+    )
+
+
+def _in_filter_order(rejected: Mapping[str, int]) -> dict[str, int]:
+    return {name: rejected[name] for name in _FILTERS if name in rejected}

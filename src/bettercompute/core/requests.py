@@ -1,0 +1,282 @@
+"""The inputs of every reservation operation, their validation and their normalised form.
+
+Why pydantic with ``extra="forbid"``: an unknown field is a caller's typo or a version skew, and
+the guide makes it ``INVALID_INPUT`` naming the field. ``parse`` turns any validation failure
+into that one error, so no door ever shows a pydantic traceback.
+
+Normalisation (``normalized_request``) is the other half of idempotency: durations become
+milliseconds, ``binding`` is defaulted and defaults are dropped, so ``'2h'`` and ``7200000``,
+with or without ``binding: 'hold'``, hash alike (``request_hash``).
+
+Pure: nothing here reads a clock, a database or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from bettercompute.core import durations, errors
+
+#: ``wait.timeoutMs`` above this is clamped, not refused: the guide caps a wait at 30 s.
+MAX_WAIT_MS = 30_000
+
+# Ids and keys are printable and bounded so they are safe in logs, URLs and Kubernetes names.
+TenantId = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+]
+ObjectId = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+]
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+MigProfile = Annotated[str, Field(pattern=r"^[1-7]g\.[1-9][0-9]{0,3}gb(\+me)?$")]
+
+DeviceClass = Literal["gpu", "mig", "slot"]
+Binding = Literal["hold", "kubernetes", "node", "instance"]
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class DeviceRequest(_Input):
+    device_class: DeviceClass = Field(alias="class")
+    count: StrictInt = Field(ge=1, le=1024)
+    topology: Literal["any", "nvlink-all"] = "any"
+    profile: MigProfile | None = None
+
+    @model_validator(mode="after")
+    def _class_rules(self) -> DeviceRequest:
+        if self.device_class == "mig" and self.profile is None:
+            raise ValueError("a mig device needs a profile such as '1g.10gb'")
+        if self.device_class != "mig" and self.profile is not None:
+            raise ValueError("profile is only for class 'mig'")
+        if self.topology == "nvlink-all" and self.device_class != "gpu":
+            raise ValueError("topology 'nvlink-all' is only for whole GPUs (class 'gpu')")
+        return self
+
+
+class Gang(_Input):
+    size: StrictInt = Field(ge=1, le=1024)
+
+
+class Resources(_Input):
+    vcpu: StrictInt = Field(default=0, ge=0, le=4096)
+    memoryGiB: StrictInt = Field(default=0, ge=0, le=65_536)
+    hugepages1Gi: StrictInt = Field(default=0, ge=0, le=65_536)
+
+
+class NodeProfile(_Input):
+    profileId: ObjectId
+    profileVersion: StrictInt | None = Field(default=None, ge=0)
+
+
+class Wait(_Input):
+    timeoutMs: StrictInt = Field(ge=0)
+
+    @field_validator("timeoutMs")
+    @classmethod
+    def _cap(cls, value: int) -> int:
+        return min(value, MAX_WAIT_MS)
+
+
+class CreateInput(_Input):
+    tenantId: TenantId
+    poolId: ObjectId
+    devices: list[DeviceRequest] = Field(min_length=1, max_length=16)
+    gang: Gang | None = None
+    duration: StrictInt | str
+    start: StrictInt | None = Field(default=None, ge=0, le=253_402_300_799_999)
+    binding: Binding = "hold"
+    resources: Resources | None = None
+    spot: StrictBool = False
+    leaseSeconds: StrictInt | None = Field(default=None, ge=60, le=30 * 86_400)
+    projectId: ObjectId | None = None
+    node: NodeProfile | None = None
+    idempotencyKey: IdempotencyKey
+    wait: Wait | None = None
+
+    @field_validator("duration")
+    @classmethod
+    def _duration(cls, value: int | str) -> int:
+        try:
+            return durations.parse_duration_ms(value)
+        except durations.DurationError as e:
+            raise ValueError(str(e)) from e
+
+    @model_validator(mode="after")
+    def _binding_rules(self) -> CreateInput:
+        if self.binding == "node":
+            if self.node is None:
+                raise ValueError("binding 'node' needs node: {profileId}")
+            if self.spot:
+                raise ValueError("binding 'node' cannot be spot")
+        elif self.node is not None:
+            raise ValueError("node is only for binding 'node'")
+        return self
+
+    @property
+    def duration_ms(self) -> int:
+        # The validator has turned the field into milliseconds; the union type stays for input.
+        assert isinstance(self.duration, int)
+        return self.duration
+
+    @property
+    def gang_size(self) -> int:
+        return self.gang.size if self.gang else 1
+
+
+class GetInput(_Input):
+    tenantId: TenantId
+    reservationId: ObjectId
+
+
+class ListInput(_Input):
+    tenantId: TenantId
+    scope: Literal["mine", "all"] = "mine"
+    state: str | None = Field(default=None, max_length=32)
+    poolId: ObjectId | None = None
+    limit: StrictInt = Field(default=50, ge=1, le=200)
+    cursor: ObjectId | None = None
+
+
+class ReleaseInput(_Input):
+    tenantId: TenantId
+    reservationId: ObjectId
+
+
+class CancelInput(_Input):
+    tenantId: TenantId
+    reservationId: ObjectId
+
+
+class ExtendInput(_Input):
+    tenantId: TenantId
+    reservationId: ObjectId
+    until: StrictInt | None = Field(default=None, ge=0, le=253_402_300_799_999)
+    by: StrictInt | str | None = None
+    idempotencyKey: IdempotencyKey
+
+    @field_validator("by")
+    @classmethod
+    def _by(cls, value: int | str | None) -> int | None:
+        if value is None:
+            return None
+        try:
+            return durations.parse_duration_ms(value)
+        except durations.DurationError as e:
+            raise ValueError(str(e)) from e
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ExtendInput:
+        if (self.until is None) == (self.by is None):
+            raise ValueError("give exactly one of 'until' (epoch ms) or 'by' (a duration)")
+        return self
+
+
+class RenewInput(_Input):
+    tenantId: TenantId
+    reservationId: ObjectId
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], data: Any) -> M:
+    """Validate ``data`` into ``model`` or raise ``INVALID_INPUT`` naming the first bad field."""
+    if not isinstance(data, dict):
+        raise errors.invalid_input("body", "must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        field = _field_path(first.get("loc", ()))
+        if first.get("type") == "extra_forbidden":
+            raise errors.invalid_input(field, "unknown field") from None
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        raise errors.invalid_input(field or "body", message) from None
+
+
+def _field_path(loc: tuple[int | str, ...] | Any) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def normalized_request(value: CreateInput) -> dict[str, Any]:
+    """The stored ``request``: what was asked for, in one canonical shape.
+
+    Durations are milliseconds (``"28800000ms"``), ``binding`` is always present, and other
+    defaults (``topology: 'any'``, ``spot: false``, absent options) are left out, so two ways of
+    writing the same request produce the same dict.
+    """
+    devices = []
+    for d in value.devices:
+        device: dict[str, Any] = {"class": d.device_class, "count": d.count}
+        if d.topology != "any":
+            device["topology"] = d.topology
+        if d.profile is not None:
+            device["profile"] = d.profile
+        devices.append(device)
+    request: dict[str, Any] = {
+        "poolId": value.poolId,
+        "devices": devices,
+        "duration": durations.format_ms(value.duration_ms),
+        "binding": value.binding,
+    }
+    if value.gang is not None and value.gang.size > 1:
+        request["gang"] = {"size": value.gang.size}
+    if value.start is not None:
+        request["start"] = value.start
+    if value.resources is not None:
+        request["resources"] = value.resources.model_dump()
+    if value.spot:
+        request["spot"] = True
+    if value.leaseSeconds is not None:
+        request["leaseSeconds"] = value.leaseSeconds
+    if value.projectId is not None:
+        request["projectId"] = value.projectId
+    if value.node is not None:
+        request["node"] = value.node.model_dump(exclude_none=True)
+    return request
+
+
+def request_hash(tenant_id: str, request: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of the normalised input without ``wait`` and the key."""
+    canonical = json.dumps(
+        {"tenantId": tenant_id, **request},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def extend_hash(value: ExtendInput) -> str:
+    canonical = json.dumps(
+        {
+            "tenantId": value.tenantId,
+            "reservationId": value.reservationId,
+            "until": value.until,
+            "by": value.by,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

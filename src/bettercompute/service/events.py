@@ -1,0 +1,77 @@
+"""Delivering outbox events to in-process subscribers, at least once.
+
+Each subscriber has a cursor in ``outbox_cursors``; it advances only after the subscriber's
+callback returned, so a crash re-delivers rather than loses. A ``compute_outbox``
+notification wakes delivery at once (the operator projects changes within a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+
+from bettercompute.store import queries
+from bettercompute.store.database import Database
+
+log = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+Handler = Callable[[Event], Awaitable[None]]
+
+
+class EventDelivery:
+    """Delivers every event after the subscriber's cursor to ``handler``, in order."""
+
+    def __init__(self, db: Database, *, subscriber: str, handler: Handler, poll_s: float = 5.0):
+        self.db = db
+        self.subscriber = subscriber
+        self.handler = handler
+        self.poll_s = poll_s
+        self._wake = asyncio.Event()
+
+    async def deliver_pending(self) -> int:
+        """Deliver what is waiting now; returns how many events were delivered."""
+        last = await queries.outbox_cursor(self.db, subscriber=self.subscriber)
+        count = 0
+        while True:
+            events = await queries.outbox_after(self.db, after_id=last)
+            if not events:
+                return count
+            for event in events:
+                await self.handler(event)
+                last = event["id"]
+                count += 1
+            await queries.save_outbox_cursor(self.db, subscriber=self.subscriber, last_id=last)
+
+    async def run(self) -> None:
+        listener = asyncio.create_task(self._listen(), name=f"events-{self.subscriber}")
+        try:
+            while True:
+                try:
+                    await self.deliver_pending()
+                except psycopg.OperationalError as e:
+                    log.warning("event delivery to %s failed, retrying: %s", self.subscriber, e)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.db.dsn, autocommit=True)
+                async with conn:
+                    await conn.execute("LISTEN compute_outbox")
+                    async for _ in conn.notifies():
+                        self._wake.set()
+            except psycopg.OperationalError as e:
+                log.warning("event listener lost its connection: %s", e)
+                await asyncio.sleep(1)

@@ -1,0 +1,457 @@
+"""The seven reservation operations, in the guide's admission sequence.
+
+``create``: validate → pre-check the caller's tenant (before any read) → transaction 1 (draft)
+→ exactly one policy decision, outside any transaction → budget check when asked for →
+transaction 2 (quota, placement, lifecycle, event, audit) → optional wait. ``extend`` follows the
+same sequence against the existing reservation. Decisions are audited by the store in the
+transaction that records their outcome.
+
+Handlers here are a few lines around store calls; nothing here speaks SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from bettercompute.core import errors, ids, ports, requests, states
+from bettercompute.core.errors import ComputeError, ErrorCode
+from bettercompute.store import admission, lifecycle, queries
+from bettercompute.store.database import Database
+
+log = logging.getLogger(__name__)
+
+#: How long a request waits for a concurrent request with the same key to finish admitting.
+SAME_KEY_WAIT_S = 35.0
+RESERVATION = "compute-reservation"
+
+
+class ReservationService:
+    """The reservation API, for one database, one policy engine and one budget check."""
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        policy: ports.PolicyEngine,
+        budget: ports.BudgetCheck,
+        root_tenant_id: str | None = None,
+    ):
+        self.db = db
+        self.policy = policy
+        self.budget = budget
+        self.root_tenant_id = root_tenant_id
+        # Concurrent creates with one key in this process wait on the first instead of polling
+        # the database; the claim in the idempotency row does the same across replicas.
+        self._in_flight: dict[str, asyncio.Event] = {}
+
+    # --- pre-check -------------------------------------------------------------------------
+
+    def _precheck(self, caller: ports.Caller, tenant_id: str) -> None:
+        """The caller's tenant must be the input tenant or the root tenant; answered before the
+        database is read, the same whether or not anything exists."""
+        if caller.tenant_id != tenant_id and (
+            self.root_tenant_id is None or caller.tenant_id != self.root_tenant_id
+        ):
+            raise errors.access_denied(f"caller is not a member of tenant {tenant_id}")
+
+    # --- create ----------------------------------------------------------------------------
+
+    async def create(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.CreateInput, data)
+        self._precheck(caller, value.tenantId)
+        if value.binding == "instance":
+            raise ComputeError(
+                ErrorCode.UNSUPPORTED,
+                "binding 'instance' is not supported: VPS instances are created with "
+                "instances.create and book through the capacity port",
+                {"field": "binding"},
+            )
+        request = requests.normalized_request(value)
+        request_hash = requests.request_hash(value.tenantId, request)
+        rid = ids.draft_id(value.tenantId, caller.identity_id, value.idempotencyKey)
+        view = await self._admit_single_flight(caller, value, request, request_hash, rid)
+        if value.wait is not None:
+            view = await self._wait(view, timeout_ms=value.wait.timeoutMs)
+        return view
+
+    async def _admit_single_flight(
+        self,
+        caller: ports.Caller,
+        value: requests.CreateInput,
+        request: dict[str, Any],
+        request_hash: str,
+        rid: str,
+    ) -> dict[str, Any]:
+        while (event := self._in_flight.get(rid)) is not None:
+            await event.wait()
+        event = self._in_flight[rid] = asyncio.Event()
+        try:
+            return await self._admit(caller, value, request, request_hash, rid)
+        finally:
+            del self._in_flight[rid]
+            event.set()
+
+    async def _admit(
+        self,
+        caller: ports.Caller,
+        value: requests.CreateInput,
+        request: dict[str, Any],
+        request_hash: str,
+        rid: str,
+    ) -> dict[str, Any]:
+        tenant = value.tenantId
+        idem = ids.idempotency_id("create", tenant, caller.identity_id, value.idempotencyKey)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + SAME_KEY_WAIT_S
+        delay = 0.01
+        while True:
+            step = await admission.write_draft(
+                self.db,
+                reservation_id=rid,
+                idempotency_id=idem,
+                identity_id=caller.identity_id,
+                tenant_id=tenant,
+                key=value.idempotencyKey,
+                request=request,
+                request_hash=request_hash,
+                duration_ms=value.duration_ms,
+                claim=ids.new_id("claim"),
+            )
+            if isinstance(step, admission.Existing):
+                return await self._view(rid)
+            if isinstance(step, admission.Draft):
+                break
+            # Busy: another replica is admitting this key right now.
+            if loop.time() > give_up:
+                raise ComputeError(
+                    ErrorCode.CONFLICT,
+                    "a request with this idempotency key is still in flight",
+                    {"reservationId": rid, "reason": "create-in-flight", "retryAfterSeconds": 5},
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+        draft = step
+        decision = await self.policy.decide(
+            ports.DecisionRequest(
+                principal=caller,
+                action=ports.CREATE,
+                resource_type=RESERVATION,
+                resource_id=rid,
+                tenant_id=tenant,
+                owner_identity_id=caller.identity_id,
+                attributes=draft.attributes,
+                pool=_relation(draft.pool),
+            )
+        )
+        context = {
+            "decision": "allow" if decision.allowed else "deny",
+            "reasons": list(decision.reasons),
+            "errors": list(decision.errors),
+            "attributes": draft.attributes,
+            "requestHash": request_hash,
+        }
+        if not decision.allowed:
+            await admission.deny(
+                self.db, draft=draft, actor=caller.identity_id, tenant_id=tenant, context=context
+            )
+            raise errors.access_denied(
+                "the request was denied by policy",
+                reservationId=rid,
+                reasons=list(decision.reasons),
+            )
+        try:
+            if draft.pool.wants_budget_check:
+                await self._check_budget(caller, tenant, draft.attributes)
+            return await admission.commit(
+                self.db,
+                draft=draft,
+                request=request,
+                duration_ms=value.duration_ms,
+                actor=caller.identity_id,
+                tenant_id=tenant,
+                context=context,
+            )
+        except ComputeError as e:
+            # The draft stays: the same key is decided again on retry (quota, budget).
+            await admission.abandon(
+                self.db,
+                draft=draft,
+                actor=caller.identity_id,
+                tenant_id=tenant,
+                outcome=e.code.value,
+                context={**context, "error": e.to_dict()},
+            )
+            raise
+        except BaseException:
+            await asyncio.shield(
+                admission.abandon(
+                    self.db,
+                    draft=draft,
+                    actor=caller.identity_id,
+                    tenant_id=tenant,
+                    outcome="abandoned",
+                    context=context,
+                )
+            )
+            raise
+
+    async def _check_budget(
+        self, caller: ports.Caller, tenant: str, attrs: Mapping[str, Any]
+    ) -> None:
+        gpu_hours = (attrs["gpuCount"] + attrs["gpuSlices"] / 7) * attrs["durationHours"]
+        verdict = await self.budget.check(caller=caller, tenant_id=tenant, gpu_hours=gpu_hours)
+        if not verdict.allowed:
+            details: dict[str, Any] = {}
+            if verdict.resets_at_ms is not None:
+                details["resetsAt"] = verdict.resets_at_ms
+            raise ComputeError(
+                ErrorCode.SPEND_LIMIT_REACHED, verdict.message or "the budget is spent", details
+            )
+
+    async def _wait(self, view: dict[str, Any], *, timeout_ms: int) -> dict[str, Any]:
+        """Re-read until the operation stops running, backing off 50 ms → 1 s; a timeout
+        returns the last read (not an error)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        delay = 0.05
+        while view["operation"]["state"] == "running":
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+            view = await self._view(view["id"])
+        return view
+
+    async def _view(self, rid: str) -> dict[str, Any]:
+        view = await lifecycle.get_view(self.db, rid)
+        if view is None:
+            raise errors.not_found()
+        return view
+
+    # --- reads -----------------------------------------------------------------------------
+
+    async def _visible(
+        self, caller: ports.Caller, tenant_id: str, rid: str, action: str
+    ) -> Mapping[str, Any]:
+        """The authz row of a reservation the caller may act on. ``NOT_FOUND`` for drafts, for
+        another tenant's and for what policy hides: one answer, so nothing leaks."""
+        row = await queries.authz_row(self.db, rid)
+        if row is None or row["tenant_id"] != tenant_id or row["state"] == states.State.DRAFT:
+            raise errors.not_found()
+        decision = await self.policy.decide(
+            ports.DecisionRequest(
+                principal=caller,
+                action=action,
+                resource_type=RESERVATION,
+                resource_id=rid,
+                tenant_id=tenant_id,
+                owner_identity_id=row["owner_identity_id"],
+                attributes=row["attributes"],
+                pool=ports.PoolRelation(
+                    pool_id=row["pool_id"],
+                    owner_tenant_id=row["owner_tenant_id"],
+                    region=row["region"],
+                    gpu_model=row["gpu_model"] or "other",
+                ),
+            )
+        )
+        if not decision.allowed:
+            if action == ports.READ:
+                raise errors.not_found()
+            # It can be read but not changed by this caller: say so, it is no secret it exists.
+            if await self._may(caller, tenant_id, rid, row, ports.READ):
+                raise errors.access_denied(
+                    f"not allowed to {action.rsplit(':', 1)[-1]} this reservation",
+                    reservationId=rid,
+                )
+            raise errors.not_found()
+        return row
+
+    async def _may(
+        self, caller: ports.Caller, tenant_id: str, rid: str, row: Mapping[str, Any], action: str
+    ) -> bool:
+        decision = await self.policy.decide(
+            ports.DecisionRequest(
+                principal=caller,
+                action=action,
+                resource_type=RESERVATION,
+                resource_id=rid,
+                tenant_id=tenant_id,
+                owner_identity_id=row["owner_identity_id"],
+                attributes=row["attributes"],
+            )
+        )
+        return decision.allowed
+
+    async def get(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.GetInput, data)
+        self._precheck(caller, value.tenantId)
+        await self._visible(caller, value.tenantId, value.reservationId, ports.READ)
+        return await self._view(value.reservationId)
+
+    async def list(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.ListInput, data)
+        self._precheck(caller, value.tenantId)
+        if value.state is not None and value.state not in {s.value for s in states.State}:
+            raise errors.invalid_input("state", f"unknown state {value.state!r}")
+        decision = await self.policy.decide(
+            ports.DecisionRequest(
+                principal=caller,
+                action=ports.READ,
+                resource_type="tenant",
+                resource_id=value.tenantId,
+                tenant_id=value.tenantId,
+            )
+        )
+        if not decision.allowed:
+            raise errors.access_denied(f"not allowed to list reservations of {value.tenantId}")
+        items, cursor = await queries.list_reservations(
+            self.db,
+            tenant_id=value.tenantId,
+            owner_identity_id=caller.identity_id if value.scope == "mine" else None,
+            state=value.state,
+            pool_id=value.poolId,
+            limit=value.limit,
+            cursor=value.cursor,
+        )
+        return {"items": items, "nextCursor": cursor}
+
+    # --- changes ---------------------------------------------------------------------------
+
+    async def release(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.ReleaseInput, data)
+        self._precheck(caller, value.tenantId)
+        await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
+        await lifecycle.release(
+            self.db, reservation_id=value.reservationId, actor=caller.identity_id
+        )
+        return await self._view(value.reservationId)
+
+    async def cancel(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.CancelInput, data)
+        self._precheck(caller, value.tenantId)
+        await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
+        await lifecycle.cancel(
+            self.db, reservation_id=value.reservationId, actor=caller.identity_id
+        )
+        return await self._view(value.reservationId)
+
+    async def renew(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        value = requests.parse(requests.RenewInput, data)
+        self._precheck(caller, value.tenantId)
+        await self._visible(caller, value.tenantId, value.reservationId, ports.EXTEND)
+        await lifecycle.renew(self.db, reservation_id=value.reservationId)
+        return await self._view(value.reservationId)
+
+    async def extend(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Admitted like a create: the pending change (total ``durationHours``) is decided on.
+
+        Answers ``{reservation, extended}`` and, when another booking starts first,
+        ``availableUntil``. An ``until`` already reached answers ``extended: false`` without a
+        decision. ``extend`` does not wait.
+        """
+        value = requests.parse(requests.ExtendInput, data)
+        self._precheck(caller, value.tenantId)
+        rid = value.reservationId
+        row = await queries.authz_row(self.db, rid)
+        if row is None or row["tenant_id"] != value.tenantId or row["state"] == "draft":
+            raise errors.not_found()
+        if not await self._may(caller, value.tenantId, rid, row, ports.READ):
+            raise errors.not_found()
+        key = lifecycle.ExtendKey(
+            idempotency_id=ids.idempotency_id(
+                "extend", value.tenantId, caller.identity_id, value.idempotencyKey
+            ),
+            tenant_id=value.tenantId,
+            identity_id=caller.identity_id,
+            key=value.idempotencyKey,
+            request_hash=requests.extend_hash(value),
+        )
+        replay = await lifecycle.extend_replay(
+            self.db, idempotency_id=key.idempotency_id, request_hash=key.request_hash
+        )
+        if replay is not None:
+            return {"reservation": await self._view(rid), "extended": replay.extended}
+        hold = ids.new_id("hold")  # server-minted: callers cannot set it
+        begun = await lifecycle.extend_begin(
+            self.db,
+            reservation_id=rid,
+            until_ms=value.until,
+            by_ms=value.by if isinstance(value.by, int) else None,
+            hold=hold,
+        )
+        if isinstance(begun, lifecycle.AlreadyReached):
+            return {"reservation": await self._view(rid), "extended": False}
+        try:
+            decision = await self.policy.decide(
+                ports.DecisionRequest(
+                    principal=caller,
+                    action=ports.EXTEND,
+                    resource_type=RESERVATION,
+                    resource_id=rid,
+                    tenant_id=value.tenantId,
+                    owner_identity_id=row["owner_identity_id"],
+                    attributes=begun.attributes,
+                    pool=ports.PoolRelation(
+                        pool_id=row["pool_id"],
+                        owner_tenant_id=row["owner_tenant_id"],
+                        region=row["region"],
+                        gpu_model=row["gpu_model"] or "other",
+                    ),
+                )
+            )
+            if not decision.allowed:
+                raise errors.access_denied(
+                    "the extension was denied by policy",
+                    reservationId=rid,
+                    reasons=list(decision.reasons),
+                )
+            offer = await admission_pool(self.db, row["pool_id"], value.tenantId)
+            if offer is not None and offer.wants_budget_check:
+                extra = dict(begun.attributes)
+                old_hours = float(row["attributes"].get("durationHours", 0))
+                extra["durationHours"] = max(0.0, begun.attributes["durationHours"] - old_hours)
+                await self._check_budget(caller, value.tenantId, extra)
+            outcome = await lifecycle.extend_commit(
+                self.db, reservation_id=rid, start=begun, actor=caller.identity_id, key=key
+            )
+        except BaseException:
+            # A refusal or an abandon clears the pending change (only when the hold is ours),
+            # so a refused lifetime never reaches later decisions on the reservation.
+            await asyncio.shield(lifecycle.extend_clear(self.db, reservation_id=rid, hold=hold))
+            raise
+        answer: dict[str, Any] = {
+            "reservation": await self._view(rid),
+            "extended": outcome.extended,
+        }
+        if outcome.available_until_ms is not None:
+            answer["availableUntil"] = outcome.available_until_ms
+        return answer
+
+    # --- node reports ----------------------------------------------------------------------
+
+    async def report(
+        self, *, node_id: str, allocation_id: str, kind: str, details: Mapping[str, Any]
+    ) -> bool:
+        """A node's report (bound, failed, releasing, released) on one of its allocations."""
+        return await lifecycle.report(
+            self.db, node_id=node_id, allocation_id=allocation_id, kind=kind, details=details
+        )
+
+
+async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> Any:
+    async with db.connection() as conn:
+        return await admission.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+
+
+def _relation(pool: Any) -> ports.PoolRelation:
+    return ports.PoolRelation(
+        pool_id=pool.id,
+        owner_tenant_id=pool.owner_tenant_id,
+        region=pool.region,
+        gpu_model=pool.gpu_model or "other",
+    )

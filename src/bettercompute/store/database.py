@@ -1,0 +1,86 @@
+"""The connection pool and the few helpers every store module shares.
+
+Why a class and not a module-level pool: tests, the dev server and benchmarks each open their
+own database, and several may live in one process; nothing here is a global singleton.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import psycopg.rows
+import psycopg_pool
+from psycopg.types.json import Jsonb
+
+from bettercompute.store import migrating
+
+log = logging.getLogger(__name__)
+
+Row = dict[str, Any]
+Conn = psycopg.AsyncConnection[Row]
+
+
+class StoreError(Exception):
+    """The database could not be reached or answered unexpectedly (not a caller's mistake)."""
+
+
+class Database:
+    """A pooled async connection to one PostgreSQL database."""
+
+    def __init__(self, pool: psycopg_pool.AsyncConnectionPool[Conn], dsn: str):
+        self.pool = pool
+        self.dsn = dsn
+
+    @classmethod
+    async def open(
+        cls, dsn: str, *, min_size: int = 2, max_size: int = 20, migrate: bool = True
+    ) -> Database:
+        """Open a pool on ``dsn`` and, unless told not to, apply pending migrations."""
+        pool: psycopg_pool.AsyncConnectionPool[Conn] = psycopg_pool.AsyncConnectionPool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"row_factory": psycopg.rows.dict_row, "autocommit": True},
+            open=False,
+            name="bettercompute",
+        )
+        try:
+            await pool.open(wait=True, timeout=30)
+        except psycopg_pool.PoolTimeout as e:
+            raise StoreError(f"cannot connect to PostgreSQL at {_redact(dsn)}: {e}") from e
+        db = cls(pool, dsn)
+        if migrate:
+            async with pool.connection() as conn:
+                await migrating.apply(conn)
+        return db
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Conn]:
+        """A connection inside one transaction, committed when the block ends cleanly."""
+        async with self.pool.connection() as conn, conn.transaction():
+            yield conn
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Conn]:
+        async with self.pool.connection() as conn:
+            yield conn
+
+
+def jsonb(value: Any) -> Jsonb:
+    return Jsonb(value)
+
+
+def _redact(dsn: str) -> str:
+    # Never print a password in an error message.
+    if "@" in dsn and "://" in dsn:
+        scheme, rest = dsn.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return dsn

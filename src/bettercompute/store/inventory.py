@@ -1,0 +1,247 @@
+"""Writing the world the placer works on: tenants, pools, offers, quotas, budgets, nodes, atoms.
+
+Called by configuration loading (``dev``), the operator's GPUPool/GPUNode sync and tests.
+Every write is an upsert, so applying the same configuration twice changes nothing.
+Inventory changes that can free or break capacity wake the reservations that care.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bettercompute.store import journal
+from bettercompute.store.database import Database, jsonb
+
+
+@dataclass(frozen=True)
+class AtomSpec:
+    device_id: str
+    kind: str = "gpu"
+    parent_gpu: str | None = None
+    profile: str | None = None
+    numa_node: int | None = None
+    nvlink_domain: str | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    id: str
+    name: str
+    pool_id: str | None
+    atoms: Sequence[AtomSpec]
+    #: key -> (value, source) with source ``system`` or ``operator``
+    labels: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    ready: bool = True
+    connected: bool = True
+    resources: Mapping[str, Any] = field(default_factory=dict)
+
+
+async def upsert_tenant(
+    db: Database, *, tenant_id: str, name: str = "", root: bool = False
+) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO tenants (id, name, is_root) VALUES (%s, %s, %s)"
+            " ON CONFLICT (id) DO UPDATE SET name = excluded.name, is_root = excluded.is_root",
+            (tenant_id, name, root),
+        )
+
+
+async def upsert_pool(
+    db: Database,
+    *,
+    pool_id: str,
+    owner_tenant_id: str,
+    region: str,
+    gpu_model: str | None,
+    sharing_mode: str = "exclusive",
+    replicas: int = 1,
+    policy: Mapping[str, Any] | None = None,
+    archived: bool = False,
+    name: str = "",
+) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO pools (id, owner_tenant_id, name, region, gpu_model, sharing_mode,"
+            " replicas, archived, policy) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            " ON CONFLICT (id) DO UPDATE SET owner_tenant_id = excluded.owner_tenant_id,"
+            " name = excluded.name, region = excluded.region, gpu_model = excluded.gpu_model,"
+            " sharing_mode = excluded.sharing_mode, replicas = excluded.replicas,"
+            " archived = excluded.archived, policy = excluded.policy,"
+            " updated_at = compute_now()",
+            (
+                pool_id,
+                owner_tenant_id,
+                name,
+                region,
+                gpu_model,
+                sharing_mode,
+                replicas,
+                archived,
+                jsonb(dict(policy or {})),
+            ),
+        )
+        if archived:
+            await journal.wake_pending(conn, pool_id=pool_id)
+
+
+async def set_offer(
+    db: Database,
+    *,
+    pool_id: str,
+    tenant_id: str,
+    offered: bool = True,
+    on_budget_exceeded: str | None = None,
+) -> None:
+    async with db.transaction() as conn:
+        if offered:
+            await conn.execute(
+                "INSERT INTO offers (pool_id, tenant_id, on_budget_exceeded) VALUES (%s, %s, %s)"
+                " ON CONFLICT (pool_id, tenant_id) DO UPDATE"
+                " SET on_budget_exceeded = excluded.on_budget_exceeded",
+                (pool_id, tenant_id, on_budget_exceeded),
+            )
+        else:
+            await conn.execute(
+                "DELETE FROM offers WHERE pool_id = %s AND tenant_id = %s", (pool_id, tenant_id)
+            )
+            await journal.wake_pending(conn, pool_id=pool_id)
+
+
+async def set_quota(db: Database, *, tenant_id: str, resource: str, limit: int) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO quotas (tenant_id, resource, limit_) VALUES (%s, %s, %s)"
+            " ON CONFLICT (tenant_id, resource) DO UPDATE SET limit_ = excluded.limit_",
+            (tenant_id, resource, limit),
+        )
+
+
+async def quota(db: Database, *, tenant_id: str, resource: str) -> tuple[int, int] | None:
+    """(limit, used) of one quota row, or ``None``."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT limit_, used FROM quotas WHERE tenant_id = %s AND resource = %s",
+                (tenant_id, resource),
+            )
+        ).fetchone()
+    return None if row is None else (int(row["limit_"]), int(row["used"]))
+
+
+async def set_budget(
+    db: Database, *, tenant_id: str, gpu_hours: float, window_seconds: int
+) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO budgets (tenant_id, gpu_hours, window_seconds) VALUES (%s, %s, %s)"
+            " ON CONFLICT (tenant_id) DO UPDATE SET gpu_hours = excluded.gpu_hours,"
+            " window_seconds = excluded.window_seconds",
+            (tenant_id, gpu_hours, window_seconds),
+        )
+
+
+async def upsert_node(db: Database, node: NodeSpec) -> None:
+    """The node and its atoms as inventoried now. Atoms that disappeared are retired (their
+    bookings' history stays); a node or atom change wakes the reservations booked on it."""
+    labels = {k: {"value": v, "source": src} for k, (v, src) in node.labels.items()}
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO nodes (id, name, pool_id, labels, ready, connected, resources)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+            " ON CONFLICT (id) DO UPDATE SET name = excluded.name, pool_id = excluded.pool_id,"
+            " labels = excluded.labels, ready = excluded.ready, connected = excluded.connected,"
+            " resources = excluded.resources, updated_at = compute_now()",
+            (
+                node.id,
+                node.name,
+                node.pool_id,
+                jsonb(labels),
+                node.ready,
+                node.connected,
+                jsonb(dict(node.resources)),
+            ),
+        )
+        await conn.execute(
+            """
+            INSERT INTO atoms (id, node_id, kind, device_id, parent_gpu, profile, numa_node,
+                               nvlink_domain, healthy)
+            SELECT 'atom_' || md5(%s || '/' || a.device_id), %s, a.kind, a.device_id,
+                   a.parent_gpu, a.profile, a.numa_node, a.nvlink_domain, a.healthy
+              FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::int[], %s::text[],
+                          %s::bool[])
+                   AS a(device_id, kind, parent_gpu, profile, numa_node, nvlink_domain, healthy)
+            ON CONFLICT (node_id, device_id) DO UPDATE SET kind = excluded.kind,
+                parent_gpu = excluded.parent_gpu, profile = excluded.profile,
+                numa_node = excluded.numa_node, nvlink_domain = excluded.nvlink_domain,
+                healthy = excluded.healthy, retired = false
+            """,
+            (
+                node.id,
+                node.id,
+                [a.device_id for a in node.atoms],
+                [a.kind for a in node.atoms],
+                [a.parent_gpu or a.device_id for a in node.atoms],
+                [a.profile for a in node.atoms],
+                [a.numa_node for a in node.atoms],
+                [a.nvlink_domain for a in node.atoms],
+                [a.healthy for a in node.atoms],
+            ),
+        )
+        await conn.execute(
+            "UPDATE atoms SET retired = true WHERE node_id = %s AND NOT (device_id = ANY(%s))",
+            (node.id, [a.device_id for a in node.atoms]),
+        )
+        await _wake_node(conn, node.id)
+
+
+async def set_atom_health(db: Database, *, node_id: str, device_id: str, healthy: bool) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE atoms SET healthy = %s WHERE node_id = %s AND device_id = %s",
+            (healthy, node_id, device_id),
+        )
+        await _wake_node(conn, node_id)
+
+
+async def set_node_status(
+    db: Database, *, node_id: str, ready: bool | None = None, connected: bool | None = None
+) -> None:
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE nodes SET ready = coalesce(%s, ready), connected = coalesce(%s, connected),"
+            " updated_at = compute_now() WHERE id = %s",
+            (ready, connected, node_id),
+        )
+        await _wake_node(conn, node_id)
+
+
+async def _wake_node(conn: Any, node_id: str) -> None:
+    # Connectivity and health changes wake the live reservations booked on the node, and
+    # capacity that came back wakes the pending ones of its pool.
+    await conn.execute(
+        "INSERT INTO work_queue (reservation_id, due_at, why)"
+        " SELECT DISTINCT r.id, compute_now(), 'node-changed'"
+        "   FROM bookings b JOIN atoms a ON a.id = b.atom_id"
+        "   JOIN reservations r ON r.id = b.reservation_id"
+        "  WHERE a.node_id = %s AND upper(b.during) > compute_now()"
+        "    AND r.state IN ('placed', 'binding', 'active')",
+        (node_id,),
+    )
+    await conn.execute(
+        "INSERT INTO work_queue (reservation_id, due_at, why)"
+        " SELECT r.id, compute_now(), 'capacity-changed' FROM reservations r"
+        "   JOIN nodes n ON n.pool_id = r.pool_id WHERE n.id = %s AND r.state = 'pending'",
+        (node_id,),
+    )
+
+
+async def advance_clock(db: Database, *, seconds: float) -> None:
+    """Move business time forward (tests and drills only): ``compute_now()`` reads the offset."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE compute_clock SET offset_ = offset_ + %s * interval '1 second'", (seconds,)
+        )

@@ -1,0 +1,71 @@
+"""A real PostgreSQL for the tests: ``DATABASE_URL`` when set, else an embedded server.
+
+A pytest plugin (loaded from ``tests/conftest.py``): one server and one migrated database per
+test session, emptied between tests. Nothing here mocks the database.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from bettercompute.store.database import Database
+from bettercompute.store.embedded import EmbeddedPostgres
+
+TEST_DB = "bettercompute_test"
+
+# Every table the tests write, emptied between tests (schema and migrations stay).
+_TABLES = (
+    "audit_log, outbox, outbox_cursors, work_queue, extend_holds, authz_resources, bookings,"
+    " allocations, idempotency, reservations, atoms, nodes, budgets, quotas, offers, pools,"
+    " tenants"
+)
+
+
+@pytest.fixture(scope="session")
+def pg_server_dsn() -> Iterator[str]:
+    """A DSN for the server's maintenance database."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    root = Path(tempfile.mkdtemp(prefix="bc-test-pg-"))
+    server = EmbeddedPostgres(root / "data", delete_on_stop=True)
+    try:
+        yield server.dsn
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server_dsn: str) -> str:
+    """A fresh database for this session on that server."""
+    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEST_DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {TEST_DB}")
+    info = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
+    info["dbname"] = TEST_DB
+    return psycopg.conninfo.make_conninfo(**info)
+
+
+@pytest.fixture(scope="session")
+async def session_db(pg_dsn: str) -> AsyncIterator[Database]:
+    db = await Database.open(pg_dsn, min_size=2, max_size=40)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
+@pytest.fixture
+async def db(session_db: Database) -> Database:
+    """The session's database, empty at the start of every test, with business time reset."""
+    async with session_db.connection() as conn:
+        await conn.execute(f"TRUNCATE {_TABLES} RESTART IDENTITY CASCADE")
+        await conn.execute("UPDATE compute_clock SET offset_ = '0'")
+    return session_db

@@ -1,0 +1,1 @@
+"""Unit tests: pure, in-memory, no database."""
