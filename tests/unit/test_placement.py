@@ -326,6 +326,13 @@ REFUSALS = [
         "0 of 2 nodes fit: 1 too few healthy gpu, 1 too few free gpu",
     ),
     (
+        "health: an unhealthy GPU breaks the only whole domain",
+        SnapshotBuilder().node("a", domains=[4, 4]).unhealthy("a.g0").busy("a.g4"),
+        Demand([gpu(4, "nvlink-all")]),
+        {"health": 1},
+        "0 of 1 nodes fit: 1 too few healthy gpu",
+    ),
+    (
         "topology: enough GPUs but split over domains",
         SnapshotBuilder().node("a", domains=[2, 2]).node("b", gpus=4),
         Demand([gpu(4, "nvlink-all")]),
@@ -448,6 +455,15 @@ def test_nonsensical_demands_raise(demand: Demand) -> None:
         place(snapshot=snapshot, demand=demand)
 
 
+def test_atoms_of_unknown_nodes_and_repeated_nodes_are_ignored() -> None:
+    snapshot = SnapshotBuilder().node("a", gpus=1).node("ghost", gpus=4).build()
+    a = snapshot.nodes[0]
+    pool = Snapshot(nodes=(a, a), atoms=snapshot.atoms, busy=frozenset())
+    assert single(place(snapshot=pool, demand=Demand([gpu(1)]))).node_id == "id-a"
+    outcome = no_fit(place(snapshot=pool, demand=Demand([gpu(2)], gang_size=1)))
+    assert outcome.message == "0 of 1 nodes fit: 1 too few free gpu"
+
+
 def test_whole_node_ignores_devices() -> None:
     snapshot = SnapshotBuilder().node("a", gpus=1).build()
     member = single(place(snapshot=snapshot, demand=Demand([gpu(0)], whole_node=True)))
@@ -501,8 +517,8 @@ MIG_LAYOUTS = ((), ("1g.10gb",) * 3, ("3g.40gb", "1g.10gb"), ("3g.40gb", "3g.40g
 node_specs = st.tuples(
     st.lists(st.integers(1, 4), max_size=3),  # NVLink domain sizes
     st.integers(0, 3),  # GPUs without NVLink
-    st.lists(st.sampled_from(MIG_LAYOUTS), max_size=2),
-    st.lists(st.integers(0, 3), max_size=2),  # slots per parent GPU
+    st.lists(st.sampled_from(MIG_LAYOUTS), min_size=1, max_size=2),
+    st.lists(st.integers(0, 3), min_size=1, max_size=2),  # slots per parent GPU
     st.sampled_from([(True, True), (True, True), (False, True), (True, False)]),
     st.sampled_from(LABELS),
 )
@@ -525,11 +541,11 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
             labels=labels,
         )
     atom_ids = sorted(a.id for a in builder.build().atoms)
-    # Bit masks: one draw each picks the busy and the unhealthy atoms.
-    busy = draw(st.integers(0, 2 ** len(atom_ids) - 1))
-    sick = draw(st.integers(0, 2 ** len(atom_ids) - 1)) & draw(
-        st.integers(0, 2 ** len(atom_ids) - 1)
-    )
+    # Random bit masks pick busy atoms (about 1 in 4) and unhealthy ones (about 1 in 8) in a few
+    # draws, where a list of atoms would cost a draw per atom.
+    masks = [draw(st.integers(0, 2 ** len(atom_ids) - 1)) for _ in range(5)]
+    busy = masks[0] & masks[1]
+    sick = masks[2] & masks[3] & masks[4]
     builder.busy(*(a for i, a in enumerate(atom_ids) if busy >> i & 1))
     builder.unhealthy(*(a for i, a in enumerate(atom_ids) if sick >> i & 1))
     return builder.build()
@@ -537,14 +553,14 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
 
 device_demands = st.one_of(
     st.builds(gpu, st.integers(1, 5), st.sampled_from(["any", "nvlink-all"])),
-    st.builds(mig, st.integers(1, 3), st.sampled_from(PROFILES)),
-    st.builds(slot, st.integers(1, 3)),
+    st.builds(mig, st.integers(1, 2), st.sampled_from(PROFILES)),
+    st.builds(slot, st.integers(1, 2)),
 )
 demands = st.builds(
     Demand,
-    devices=st.lists(device_demands, min_size=1, max_size=3),
-    gang_size=st.integers(1, 3),
-    whole_node=st.booleans(),
+    devices=st.lists(device_demands, min_size=1, max_size=2),
+    gang_size=st.sampled_from([1, 1, 2, 3]),
+    whole_node=st.sampled_from([False, False, False, True]),
     required_labels=st.sampled_from([{}, {"zone": "*"}, {"zone": "x"}, {"k8s": "*"}]),
 )
 
@@ -562,7 +578,7 @@ def _eligible(node: Node, demand: Demand) -> bool:
 
 
 PROPERTY_SETTINGS = settings(
-    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
