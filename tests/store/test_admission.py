@@ -87,7 +87,8 @@ async def test_root_tenant_passes_the_precheck(db: Database, make_service: Any):
     await acme(db)
     service = make_service(CountingPolicy(ROOT_OPERATORS))
     view = await service.create(caller("ops", tenant="root"), create_input())
-    assert view["state"] == "placed" and view["tenantId"] == "acme"
+    assert view["state"] == "placed"
+    assert view["tenantId"] == "acme"
     assert view["ownerIdentityId"] == "ops"
 
 
@@ -200,9 +201,11 @@ async def test_same_request_returns_the_stored_reservation_without_a_decision(
     service = make_service(policy)
     first = await service.create(caller(), create_input(duration="2h"))
     same = await service.create(caller(), create_input(duration=7_200_000, binding="hold"))
-    assert same["id"] == first["id"] and same["version"] == first["version"]
+    assert same["id"] == first["id"]
+    assert same["version"] == first["version"]
     assert policy.creates == 1
-    assert first["id"].startswith("rsv_") and first["id"] == first["id"].lower()
+    assert first["id"].startswith("rsv_")
+    assert first["id"] == first["id"].lower()
 
 
 async def test_different_request_with_the_same_key_conflicts(
@@ -220,7 +223,8 @@ async def test_same_key_from_another_identity_is_another_row(
     await acme(db)
     a = await service.create(caller("alice"), create_input())
     b = await service.create(caller("bob"), create_input(duration="1h"))
-    assert a["id"] != b["id"] and b["ownerIdentityId"] == "bob"
+    assert a["id"] != b["id"]
+    assert b["ownerIdentityId"] == "bob"
 
 
 async def test_refused_key_stays_access_denied(db: Database, make_service: Any):
@@ -258,14 +262,16 @@ async def test_quota_exceeded_keeps_the_draft_and_is_decided_again(db: Database,
     rid = err_id = None
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT id, state FROM reservations")).fetchone()
-    assert row is not None and row["state"] == "draft"
+    assert row is not None
+    assert row["state"] == "draft"
     rid = row["id"]
     await expect("NOT_FOUND", service.get(caller(), {"tenantId": "acme", "reservationId": rid}))
     assert (await service.list(caller(), {"tenantId": "acme"}))["items"] == []
     assert (await inventory.quota(db, tenant_id="acme", resource="gpu:H100")) == (2, 0)
     await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=8)
     view = await service.create(caller(), create_input())
-    assert view["id"] == rid and view["state"] == "placed"
+    assert view["id"] == rid
+    assert view["state"] == "placed"
     assert policy.creates == 2
     assert err_id is None
 
@@ -414,7 +420,8 @@ async def test_list_pages_newest_first_with_filters(db: Database, service: Reser
         caller(), {"tenantId": "acme", "limit": 3, "cursor": page2["nextCursor"]}
     )
     got = [v["id"] for p in (page1, page2, page3) for v in p["items"]]
-    assert got == list(reversed(ids)) and page3["nextCursor"] is None
+    assert got == list(reversed(ids))
+    assert page3["nextCursor"] is None
     everyone = await service.list(caller(), {"tenantId": "acme", "scope": "all"})
     assert len(everyone["items"]) == 8
     await service.release(caller(), {"tenantId": "acme", "reservationId": ids[0]})
@@ -436,14 +443,16 @@ async def test_events_and_audit_of_a_placement(db: Database, service: Reservatio
     [event] = events
     assert event["type"] == "reservation.placed"
     assert event["subject"] == f"reservation/{view['id']}"
-    assert event["data"]["state"] == "placed" and event["data"]["poolId"] == "pool_a"
+    assert event["data"]["state"] == "placed"
+    assert event["data"]["poolId"] == "pool_a"
     assert event["data"]["nodeIds"] == view["binding"]["nodeIds"]
     assert (event["data"]["start"], event["data"]["end"]) == (
         view["during"]["start"],
         view["during"]["end"],
     )
     [row] = audit
-    assert row["actor"] == "alice" and row["outcome"] == "placed"
+    assert row["actor"] == "alice"
+    assert row["outcome"] == "placed"
     assert row["context"]["decision"] == "allow"
     assert row["context"]["attributes"]["gpuCount"] == 4
     assert row["context"]["attributes"]["durationHours"] == 8.0

@@ -146,4 +146,5 @@ async def test_concurrent_extends_one_holds_the_slot(db: Database, service: Rese
             await conn.execute("SELECT pending FROM authz_resources WHERE id = %s", (view["id"],))
         ).fetchone()
         holds = await (await conn.execute("SELECT count(*) AS n FROM extend_holds")).fetchone()
-    assert pending == {"pending": None} and holds == {"n": 0}
+    assert pending == {"pending": None}
+    assert holds == {"n": 0}
