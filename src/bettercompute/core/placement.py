@@ -115,7 +115,7 @@ class _Stock:
     __slots__ = ("free", "sick", "sick_domains", "size", "usable", "usable_domains")
 
     def __init__(self) -> None:
-        self.size = 0  # all atoms
+        self.size = 0  # all atoms; counted for whole-node demands only
         self.free = 0  # atoms not in ``busy``
         self.usable: dict[_Pool, int] = {}  # healthy and not busy
         self.usable_domains: dict[str, int] = {}  # usable GPUs per NVLink domain
@@ -160,7 +160,7 @@ def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     """Choose the nodes and atoms for ``demand``, or explain why nothing fits."""
     _validate(demand)
     ask = _prepare(demand)
-    stocks = _stock_up(snapshot)
+    stocks = _stock_up(snapshot=snapshot, sizes=demand.whole_node)
     if not stocks:
         return NoFit(message="the pool has no nodes", rejected={})
     fits: list[_Fit] = []
@@ -227,17 +227,20 @@ def _prepare(demand: Demand) -> _Ask:
     )
 
 
-def _stock_up(snapshot: Snapshot) -> dict[str, _Stock]:
+def _stock_up(*, snapshot: Snapshot, sizes: bool) -> dict[str, _Stock]:
+    # ``sizes`` (all atoms, busy ones included) only matter to whole-node demands; counting them
+    # is a further pass over every atom, so device demands skip it.
     stocks = {node.id: _Stock() for node in snapshot.nodes}
-    for node_id, size in Counter(map(attrgetter("node_id"), snapshot.atoms)).items():
-        if node_id in stocks:  # atoms of a node outside the pool can't be booked here
-            stocks[node_id].size = size
+    if sizes:
+        for node_id, size in Counter(map(attrgetter("node_id"), snapshot.atoms)).items():
+            if node_id in stocks:  # atoms of a node outside the pool can't be booked here
+                stocks[node_id].size = size
     busy = snapshot.busy
     free = [a for a in snapshot.atoms if a.id not in busy]
     # Loops over distinct (node, kind, profile, domain, health) keys: about one per GPU domain.
     for (node_id, kind, profile, domain, healthy), n in Counter(map(_ATOM_KEY, free)).items():
         stock = stocks.get(node_id)
-        if stock is None:
+        if stock is None:  # atoms of a node outside the pool can't be booked here
             continue
         stock.free += n
         counts, domains = (
@@ -264,8 +267,9 @@ def _screen(*, node: Node, stock: _Stock, ask: _Ask, whole_node: bool) -> _Fit |
     plan = _plan(ask=ask, counts=stock.usable, domains=stock.usable_domains)
     if isinstance(plan, _Shortfall):
         return _why_not(shortfall=plan, stock=stock, ask=ask)
-    usable = stock.usable
-    matching = sum(usable.get(pool, 0) for pool in ask.distinct_pools)
+    matching = 0
+    for pool in ask.distinct_pools:  # a plain loop: this runs once per node that fits
+        matching += stock.usable.get(pool, 0)
     return _Fit(node, matching - ask.total, plan)
 
 
@@ -295,7 +299,7 @@ def _plan(
         entry, pool = ask.devices[index], ask.pools[index]
         need = used.get(pool, 0) + entry.count
         if counts.get(pool, 0) < need:
-            return _Shortfall(entry=entry, topology=False)
+            return _Shortfall(entry, False)
         used[pool] = need
         if entry.topology == "nvlink-all":
             # Best fit: the domain with the fewest free GPUs that still holds the whole entry.
@@ -305,7 +309,7 @@ def _plan(
                 if free >= entry.count and (best is None or (free, domain) < best):
                     best = (free, domain)
             if best is None:
-                return _Shortfall(entry=entry, topology=True)
+                return _Shortfall(entry, True)
             used_in[best[1]] = used_in.get(best[1], 0) + entry.count
             plan[index] = best[1]
     return plan

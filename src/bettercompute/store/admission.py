@@ -19,10 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg.errors
+
 from bettercompute.core import attributes, errors, placement, pools, states
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import journal, placing, views
-from bettercompute.store.database import Conn, Database, jsonb
+from bettercompute.store.database import Conn, Database, jsonb, script, scripted
 
 CLAIM_TTL = dt.timedelta(seconds=30)
 PENDING_RETRY = dt.timedelta(seconds=30)
@@ -61,8 +63,10 @@ class Busy:
 
 async def read_pool(conn: Conn, *, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:
     row = await (await conn.execute(_POOL, (tenant_id, pool_id))).fetchone()
-    if row is None:
-        return None
+    return None if row is None else _pool_info(row)
+
+
+def _pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
     return pools.PoolInfo(
         id=row["id"],
         owner_tenant_id=row["owner_tenant_id"],
@@ -90,24 +94,27 @@ async def write_draft(
     duration_ms: int,
     claim: str,
 ) -> Draft | Existing | Busy:
-    """Transaction 1. Raises ``ComputeError`` for a refused key, a conflict or a bad pool."""
-    async with db.transaction() as conn:
-        await conn.execute(
-            "INSERT INTO idempotency (id, scope, tenant_id, identity_id, key, request_hash,"
-            " reservation_id) VALUES (%s, 'create', %s, %s, %s, %s, %s)"
-            " ON CONFLICT (id) DO NOTHING",
-            (idempotency_id, tenant_id, identity_id, key, request_hash, reservation_id),
+    """Transaction 1. Raises ``ComputeError`` for a refused key, a conflict or a bad pool.
+
+    Runs in pipeline mode: the idempotency upsert, its locked read and the pool read travel in
+    one round trip, the writes and the commit in another.
+    """
+    async with scripted(db) as conn:
+        [[row]] = await script(
+            conn,
+            "BEGIN; SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s)",
+            (
+                idempotency_id,
+                tenant_id,
+                identity_id,
+                key,
+                request_hash,
+                reservation_id,
+                str(request["poolId"]),
+                CLAIM_TTL,
+            ),
         )
-        row = await (
-            await conn.execute(
-                "SELECT i.request_hash, i.claim IS NOT NULL"
-                "       AND i.claimed_at > compute_now() - %s AS claim_live, r.state"
-                "  FROM idempotency i LEFT JOIN reservations r ON r.id = i.reservation_id"
-                " WHERE i.id = %s FOR UPDATE OF i",
-                (CLAIM_TTL, idempotency_id),
-            )
-        ).fetchone()
-        assert row is not None  # inserted or found above, and locked
+        assert row is not None  # inserted or found, and locked
         if row["state"] == states.State.DENIED:
             raise errors.access_denied(
                 "this request was refused by policy; its idempotency key stays refused",
@@ -126,50 +133,53 @@ async def write_draft(
             states.State.AWAITING_CONFIRMATION,
         ):
             return Existing(reservation_id)
-
-        pool = await read_pool(conn, pool_id=str(request["poolId"]), tenant_id=tenant_id)
+        pool = _pool_info({**row, "id": row["pool_id"]}) if row["pool_id"] is not None else None
         if pool is None:
             raise errors.not_found("pool")
         pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
         attrs = attributes.reservation_attributes(
             request=request, gpu_model=pool.gpu_model, region=pool.region, duration_ms=duration_ms
         )
-        if row["state"] is None:
-            await conn.execute(
-                "INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,"
-                " idempotency_key, request_hash, request, state, requested_start, duration,"
-                " lease_seconds)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft',"
-                "         to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s)",
-                (
-                    reservation_id,
-                    tenant_id,
-                    pool.id,
-                    identity_id,
-                    key,
-                    request_hash,
-                    jsonb(request),
-                    request.get("start"),
-                    duration_ms,
-                    request.get("leaseSeconds"),
-                ),
+        # The draft, its authorization row and our claim, in one statement, and the commit.
+        # A draft decided again keeps its row and refreshes what the decision sees.
+        await script(
+            conn,
+            """
+            WITH draft AS (
+                INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
+                    idempotency_key, request_hash, request, state, requested_start, duration,
+                    lease_seconds)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s / 1000.0),
+                        %s * interval '1 millisecond', %s)
+                ON CONFLICT (id) DO NOTHING
+            ), authz AS (
+                INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
+                                             owner_identity_id, attributes)
+                VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
+                ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
             )
-            await conn.execute(
-                "INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,"
-                " owner_identity_id, attributes)"
-                " VALUES (%s, 'compute-reservation', %s, %s, %s, %s)",
-                (reservation_id, tenant_id, pool.id, identity_id, jsonb(attrs)),
-            )
-        else:
-            # The same draft decided again: refresh what the decision sees (the pool's region
-            # or model may have changed since).
-            await conn.execute(
-                "UPDATE authz_resources SET attributes = %s WHERE id = %s",
-                (jsonb(attrs), reservation_id),
-            )
-        await conn.execute(
-            "UPDATE idempotency SET claim = %s, claimed_at = compute_now() WHERE id = %s",
-            (claim, idempotency_id),
+            UPDATE idempotency SET claim = %s, claimed_at = compute_now() WHERE id = %s;
+            COMMIT
+            """,
+            (
+                reservation_id,
+                tenant_id,
+                pool.id,
+                identity_id,
+                key,
+                request_hash,
+                jsonb(request),
+                request.get("start"),
+                duration_ms,
+                request.get("leaseSeconds"),
+                reservation_id,
+                tenant_id,
+                pool.id,
+                identity_id,
+                jsonb(attrs),
+                claim,
+                idempotency_id,
+            ),
         )
     return Draft(reservation_id, idempotency_id, claim, pool, attrs)
 
@@ -244,126 +254,147 @@ async def commit(
     abandons the draft) or ``CONFLICT`` when the claim was lost to a takeover.
     """
     demand = attributes.quota_demand(request, gpu_model=draft.pool.gpu_model)
-    async with db.transaction() as conn:
-        claimed = await (
-            await conn.execute(
-                "SELECT i.claim = %s AS mine, r.state FROM idempotency i"
-                " JOIN reservations r ON r.id = i.reservation_id"
-                " WHERE i.id = %s FOR UPDATE OF i, r",
-                (draft.claim, draft.idempotency_id),
+    for attempt in range(2):
+        try:
+            return await _commit_once(
+                db,
+                draft=draft,
+                request=request,
+                duration_ms=duration_ms,
+                actor=actor,
+                tenant_id=tenant_id,
+                context=context,
+                demand=demand,
             )
-        ).fetchone()
-        if (
-            claimed is None
-            or not claimed["mine"]
-            or claimed["state"]
-            not in (
-                states.State.DRAFT,
-                states.State.AWAITING_CONFIRMATION,
-            )
-        ):
+        except psycopg.errors.ExclusionViolation:
+            # The pool lock makes this a stale inventory cache at worst (a node that changed
+            # pools mid-flight): the transaction rolled back whole, so simply run it again.
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _commit_once(
+    db: Database,
+    *,
+    draft: Draft,
+    request: Mapping[str, Any],
+    duration_ms: int,
+    actor: str,
+    tenant_id: str,
+    context: Mapping[str, Any],
+    demand: Mapping[str, int],
+) -> dict[str, Any]:
+    # Two round trips: begin (claim, pool lock, quota, window, busy atoms), then the writes,
+    # the view and the commit. Placement is decided in Python in between, under the pool lock.
+    resources = sorted(demand)
+    async with scripted(db) as conn:
+        [[begun]] = await script(
+            conn,
+            "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
+            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s)",
+            (
+                draft.idempotency_id,
+                draft.claim,
+                draft.pool.id,
+                tenant_id,
+                resources,
+                [demand[r] for r in resources],
+                request.get("start"),
+                duration_ms,
+                draft.reservation_id,
+            ),
+        )
+        if not begun["mine"]:
             raise ComputeError(
                 ErrorCode.CONFLICT,
                 "another request with this idempotency key took over its admission",
                 {"reservationId": draft.reservation_id},
             )
-        # Lock order, everywhere: pool, then reservation rows, then quota rows (see lifecycle).
-        await placing.lock_pool(conn, draft.pool.id)
-        await charge_quota(conn, tenant_id=tenant_id, demand=demand)
-        now = await current_time(conn)
-        requested = request.get("start")
-        start = max(now, from_ms(requested)) if requested is not None else now
-        end = start + dt.timedelta(milliseconds=duration_ms)
-        outcome = await placing.place(
+        if begun["quota_short"] is not None:
+            # Leaving the block rolls the transaction back: nothing was charged or written.
+            raise quota_exceeded(begun["quota_short"])
+        now, start, end = begun["now_"], begun["start_"], begun["end_"]
+        snap = await placing.snapshot_from(
             conn,
-            reservation_id=draft.reservation_id,
+            cache=db.inventory,
             pool_id=draft.pool.id,
-            request=request,
-            start=start,
-            end=end,
+            version=int(begun["inventory_version"]),
+            busy=begun["busy"],
         )
+        outcome = placement.place(snapshot=snap, demand=pools.demand(request=request))
         lease = (
             now + dt.timedelta(seconds=int(request["leaseSeconds"]))
             if request.get("leaseSeconds")
             else None
         )
+        charge = jsonb(dict(demand))
         if isinstance(outcome, placement.Placed):
-            await mark_placed(
-                conn,
+            book_sql, book_params = placing.book_statement(
                 reservation_id=draft.reservation_id,
                 pool_id=draft.pool.id,
                 outcome=outcome,
+                atoms=snap.atoms,
                 start=start,
                 end=end,
-                lease=lease,
-                now=now,
-                extra_sets="quota_charge = %s",
-                extra_params=(jsonb(demand),),
             )
+            apply_sql = (
+                f"{book_sql}; SELECT bc_mark_placed(%s, %s, %s, %s, %s, %s, %s,"
+                " 'reservation.placed', %s)"
+            )
+            apply_params: tuple[Any, ...] = (
+                *book_params,
+                draft.reservation_id,
+                draft.pool.id,
+                start,
+                end,
+                lease,
+                now,
+                [m.node_id for m in outcome.members],
+                charge,
+            )
+            result = "placed"
         else:
-            await mark_pending(
-                conn,
-                reservation_id=draft.reservation_id,
-                pool_id=draft.pool.id,
-                message=outcome.message,
-                now=now,
-                first=True,
-                extra_sets="quota_charge = %s",
-                extra_params=(jsonb(demand),),
+            cond = states.condition(
+                states.Condition.UNSCHEDULABLE,
+                states.Reason.NO_FIT,
+                outcome.message,
+                at_ms=to_ms(now),
             )
-        await conn.execute(
-            "UPDATE idempotency SET claim = NULL, claimed_at = NULL, outcome = 'admitted'"
-            " WHERE id = %s",
-            (draft.idempotency_id,),
-        )
-        await journal.audit(
+            apply_sql = "SELECT bc_mark_pending(%s, %s, %s, %s, %s, true, %s)"
+            apply_params = (
+                draft.reservation_id,
+                draft.pool.id,
+                jsonb(cond),
+                str(states.Reason.NO_FIT),
+                now,
+                charge,
+            )
+            result = "pending"
+        results = await script(
             conn,
-            action="compute:reservations:create",
-            outcome="placed" if isinstance(outcome, placement.Placed) else "pending",
-            resource_id=draft.reservation_id,
-            actor=actor,
-            tenant_id=tenant_id,
-            context=context,
+            f"{apply_sql}; SELECT bc_admission_done(%s, %s, %s, %s, %s, %s);"
+            f" SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
+            (
+                *apply_params,
+                draft.idempotency_id,
+                draft.reservation_id,
+                actor,
+                tenant_id,
+                result,
+                jsonb(dict(context)),
+                draft.reservation_id,
+            ),
         )
-        row = await views.read(conn, draft.reservation_id)
-    assert row is not None
-    return views.to_view(row)
+    return views.to_view(results[-1][0])
 
 
-async def charge_quota(conn: Conn, *, tenant_id: str, demand: Mapping[str, int]) -> None:
-    """Charge every resource or none: a missing quota row grants nothing."""
-    resources = sorted(demand)  # a fixed order: two charges never lock rows crosswise
-    amounts = [demand[r] for r in resources]
-    charged = await (
-        await conn.execute(
-            "UPDATE quotas q SET used = q.used + d.n"
-            "  FROM unnest(%s::text[], %s::bigint[]) AS d(resource, n)"
-            " WHERE q.tenant_id = %s AND q.resource = d.resource AND q.used + d.n <= q.limit_"
-            " RETURNING q.resource",
-            (resources, amounts, tenant_id),
-        )
-    ).fetchall()
-    if len(charged) == len(resources):
-        return
-    short = sorted(set(resources) - {r["resource"] for r in charged})
-    rows = await (
-        await conn.execute(
-            "SELECT resource, limit_, used FROM quotas WHERE tenant_id = %s AND resource = ANY(%s)",
-            (tenant_id, short),
-        )
-    ).fetchall()
-    have = {r["resource"]: r for r in rows}
-    detail: list[dict[str, Any]] = []
-    words: list[str] = []
-    for r in short:
-        limit = int(have[r]["limit_"]) if r in have else 0
-        used = int(have[r]["used"]) if r in have else 0
-        detail.append({"resource": r, "requested": demand[r], "limit": limit, "used": used})
-        words.append(f"{r} (asked {demand[r]}, {limit - used} left of {limit})")
-    # Raising rolls the whole transaction back: the quota rows that were charged are refunded.
-    raise ComputeError(
-        ErrorCode.QUOTA_EXCEEDED, f"quota exceeded: {', '.join(words)}", {"quota": detail}
+def quota_exceeded(short: list[dict[str, Any]]) -> ComputeError:
+    words = ", ".join(
+        f"{d['resource']} (asked {d['requested']}, {d['limit'] - d['used']} left of {d['limit']})"
+        for d in short
     )
+    return ComputeError(ErrorCode.QUOTA_EXCEEDED, f"quota exceeded: {words}", {"quota": short})
 
 
 async def refund_quota(conn: Conn, *, tenant_id: str, charge: Mapping[str, int] | None) -> None:
@@ -404,38 +435,22 @@ async def mark_placed(
     lease: dt.datetime | None,
     now: dt.datetime,
     event: str = "reservation.placed",
-    extra_sets: str = "",
-    extra_params: tuple[Any, ...] = (),
+    quota_charge: Mapping[str, int] | None = None,
 ) -> None:
     """The reservation is ``placed`` on ``outcome``: window, binding, wake-ups, event."""
-    node_ids = [m.node_id for m in outcome.members]
-    binding = {"nodeId": node_ids[0], "nodeIds": node_ids}
-    sets = "".join(f", {extra_sets}" if extra_sets else "")
     await conn.execute(
-        "UPDATE reservations SET state = 'placed', during = tstzrange(%s, %s), binding = %s,"
-        " conditions = '[]', pending_since = NULL, version = version + 1,"
-        " lease_expires_at = coalesce(lease_expires_at, %s), updated_at = compute_now()"
-        f"{sets} WHERE id = %s",
-        (start, end, jsonb(binding), lease, *extra_params, reservation_id),
-    )
-    moments: dict[str, dt.datetime | None] = {
-        "start-15m": start - START_WARNING if start - START_WARNING > now else None,
-        "start": start,
-        "end": end,
-        "lease": lease,
-    }
-    await journal.wake_many(conn, reservation_id=reservation_id, moments=moments)
-    await journal.emit(
-        conn,
-        event,
-        reservation_id=reservation_id,
-        data={
-            "state": "placed",
-            "poolId": pool_id,
-            "nodeIds": node_ids,
-            "start": to_ms(start),
-            "end": to_ms(end),
-        },
+        "SELECT bc_mark_placed(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            reservation_id,
+            pool_id,
+            start,
+            end,
+            lease,
+            now,
+            [m.node_id for m in outcome.members],
+            event,
+            jsonb(dict(quota_charge)) if quota_charge is not None else None,
+        ),
     )
 
 
@@ -448,23 +463,19 @@ async def mark_pending(
     now: dt.datetime,
     first: bool,
     reason: str = states.Reason.NO_FIT,
-    extra_sets: str = "",
-    extra_params: tuple[Any, ...] = (),
+    quota_charge: Mapping[str, int] | None = None,
 ) -> None:
     """``pending`` with ``Unschedulable``; retried in 30 s (sooner when capacity is freed)."""
     cond = states.condition(states.Condition.UNSCHEDULABLE, reason, message, at_ms=to_ms(now))
-    sets = f", {extra_sets}" if extra_sets else ""
     await conn.execute(
-        "UPDATE reservations SET state = 'pending', conditions = %s, during = NULL,"
-        " binding = NULL, pending_since = coalesce(pending_since, compute_now()),"
-        f" version = version + 1, updated_at = compute_now(){sets} WHERE id = %s",
-        (jsonb([cond]), *extra_params, reservation_id),
+        "SELECT bc_mark_pending(%s, %s, %s, %s, %s, %s, %s)",
+        (
+            reservation_id,
+            pool_id,
+            jsonb(cond),
+            str(reason),
+            now,
+            first,
+            jsonb(dict(quota_charge)) if quota_charge is not None else None,
+        ),
     )
-    await journal.wake(conn, reservation_id=reservation_id, at=now + PENDING_RETRY, why="retry")
-    if first:
-        await journal.emit(
-            conn,
-            "reservation.pending",
-            reservation_id=reservation_id,
-            data={"state": "pending", "poolId": pool_id, "reason": reason},
-        )

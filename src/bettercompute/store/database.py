@@ -7,7 +7,7 @@ own database, and several may live in one process; nothing here is a global sing
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,7 +16,7 @@ import psycopg.rows
 import psycopg_pool
 from psycopg.types.json import Jsonb
 
-from bettercompute.store import migrating
+from bettercompute.store import caching, migrating
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class Database:
     def __init__(self, pool: psycopg_pool.AsyncConnectionPool[Conn], dsn: str):
         self.pool = pool
         self.dsn = dsn
+        self.inventory = caching.InventoryCache()
 
     @classmethod
     async def open(
@@ -71,6 +72,38 @@ class Database:
     async def connection(self) -> AsyncIterator[Conn]:
         async with self.pool.connection() as conn:
             yield conn
+
+
+@asynccontextmanager
+async def scripted(db: Database) -> AsyncIterator[Conn]:
+    """A connection for a transaction written as scripts (see ``script``).
+
+    The scripts say ``BEGIN`` and ``COMMIT`` themselves, so a transaction of two steps costs two
+    round trips. Whatever the block leaves open (an early answer, an exception) is rolled back.
+    """
+    async with db.pool.connection() as conn:
+        try:
+            yield conn
+        finally:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await conn.execute("ROLLBACK")
+
+
+async def script(conn: Conn, sql: str, params: Sequence[Any] = ()) -> list[list[Row]]:
+    """Several statements in one round trip; returns the rows of each statement that has any.
+
+    Why: on these small machines a round trip costs a create more than the SQL it carries.
+    Parameters are bound client-side by psycopg (properly quoted; never format SQL by hand), so
+    the simple query protocol can carry ``BEGIN; SELECT …`` or ``SELECT …; COMMIT`` at once.
+    """
+    cur = psycopg.AsyncClientCursor(conn, row_factory=psycopg.rows.dict_row)
+    await cur.execute(sql, params)
+    results: list[list[Row]] = []
+    while True:
+        if cur.description is not None:
+            results.append(await cur.fetchall())
+        if not cur.nextset():
+            return results
 
 
 def jsonb(value: Any) -> Jsonb:

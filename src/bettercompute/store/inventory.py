@@ -149,6 +149,9 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
     bookings' history stays); a node or atom change wakes the reservations booked on it."""
     labels = {k: {"value": v, "source": src} for k, (v, src) in node.labels.items()}
     async with db.transaction() as conn:
+        before = await (
+            await conn.execute("SELECT pool_id FROM nodes WHERE id = %s FOR UPDATE", (node.id,))
+        ).fetchone()
         await conn.execute(
             "INSERT INTO nodes (id, name, pool_id, labels, ready, connected, resources)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s)"
@@ -195,6 +198,14 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
             "UPDATE atoms SET retired = true WHERE node_id = %s AND NOT (device_id = ANY(%s))",
             (node.id, [a.device_id for a in node.atoms]),
         )
+        old_pool = before["pool_id"] if before else None
+        if old_pool != node.pool_id and node.pool_id is not None:
+            await conn.execute(
+                "UPDATE bookings b SET pool_id = %s FROM atoms a"
+                " WHERE a.id = b.atom_id AND a.node_id = %s",
+                (node.pool_id, node.id),
+            )
+        await _bump(conn, [p for p in (old_pool, node.pool_id) if p is not None])
         await _wake_node(conn, node.id)
 
 
@@ -204,6 +215,7 @@ async def set_atom_health(db: Database, *, node_id: str, device_id: str, healthy
             "UPDATE atoms SET healthy = %s WHERE node_id = %s AND device_id = %s",
             (healthy, node_id, device_id),
         )
+        await _bump_node_pool(conn, node_id)
         await _wake_node(conn, node_id)
 
 
@@ -216,7 +228,24 @@ async def set_node_status(
             " updated_at = compute_now() WHERE id = %s",
             (ready, connected, node_id),
         )
+        await _bump_node_pool(conn, node_id)
         await _wake_node(conn, node_id)
+
+
+async def _bump(conn: Any, pool_ids: list[str]) -> None:
+    # Placers cache a pool's nodes and atoms by this version (see ``placing``).
+    await conn.execute(
+        "UPDATE pools SET inventory_version = inventory_version + 1 WHERE id = ANY(%s)",
+        (pool_ids,),
+    )
+
+
+async def _bump_node_pool(conn: Any, node_id: str) -> None:
+    await conn.execute(
+        "UPDATE pools SET inventory_version = inventory_version + 1"
+        " WHERE id = (SELECT pool_id FROM nodes WHERE id = %s)",
+        (node_id,),
+    )
 
 
 async def _wake_node(conn: Any, node_id: str) -> None:

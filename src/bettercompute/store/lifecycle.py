@@ -34,10 +34,19 @@ HELD_STEP = dt.timedelta(minutes=5)
 HELD_LIMIT = dt.timedelta(hours=24)
 EXTEND_HOLD_TTL = dt.timedelta(seconds=60)
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
 _ROW = """
     SELECT r.*, lower(r.during) AS start_at, upper(r.during) AS end_at
       FROM reservations r WHERE r.id = %s FOR UPDATE
 """
+
+
+def _epoch_ms(at: dt.datetime) -> int:
+    """Epoch milliseconds rounded to nearest, as SQL ``epoch_ms`` rounds for the reservation
+    object, so an extend's answer and event name the same ``end`` as ``during`` does.
+    (``admission.to_ms`` truncates: a window that began "now" keeps microseconds.)"""
+    return ((at - _EPOCH) // dt.timedelta(microseconds=1) + 500) // 1000
 
 
 async def _pool_of(conn: Conn, reservation_id: str) -> str | None:
@@ -503,7 +512,13 @@ def _keep(existing: Mapping[str, Mapping[str, Any]], new: dict[str, Any]) -> dic
 
 
 async def finish(
-    conn: Conn, row: Row, *, now: dt.datetime, reason: str, state: State = State.RELEASED
+    conn: Conn,
+    row: Row,
+    *,
+    now: dt.datetime,
+    reason: str,
+    state: State = State.RELEASED,
+    actor: str | None = None,
 ) -> None:
     """End a reservation at ``now``: truncate the current booking, drop future ones, refund
     quota, hand allocations to their nodes for release, wake the pool's pending reservations.
@@ -561,6 +576,7 @@ async def finish(
         action="lifecycle",
         outcome=state.value,
         resource_id=rid,
+        actor=actor,
         tenant_id=row["tenant_id"],
         context={"reason": reason},
     )
@@ -620,9 +636,9 @@ async def release(db: Database, *, reservation_id: str, actor: str) -> None:
             return
         now = await admission.current_time(conn)
         if state in (State.PENDING, State.AWAITING_CONFIRMATION):
-            await finish(conn, row, now=now, reason="release", state=State.CANCELLED)
+            await finish(conn, row, now=now, reason="release", state=State.CANCELLED, actor=actor)
         else:
-            await finish(conn, row, now=now, reason="release")
+            await finish(conn, row, now=now, reason="release", actor=actor)
 
 
 async def cancel(db: Database, *, reservation_id: str, actor: str) -> None:
@@ -638,7 +654,7 @@ async def cancel(db: Database, *, reservation_id: str, actor: str) -> None:
                 state=state.value,
             )
         now = await admission.current_time(conn)
-        await finish(conn, row, now=now, reason="cancel", state=State.CANCELLED)
+        await finish(conn, row, now=now, reason="cancel", state=State.CANCELLED, actor=actor)
 
 
 async def renew(db: Database, *, reservation_id: str) -> None:
@@ -820,7 +836,11 @@ async def extend_begin(
             "UPDATE authz_resources SET pending = %s WHERE id = %s",
             (
                 jsonb(
-                    {"durationHours": attrs["durationHours"], "until": to_ms(new_end), "hold": hold}
+                    {
+                        "durationHours": attrs["durationHours"],
+                        "until": _epoch_ms(new_end),
+                        "hold": hold,
+                    }
                 ),
                 reservation_id,
             ),
@@ -937,7 +957,7 @@ async def extend_commit(
             await _clear_hold(conn, reservation_id, start.hold)
             at = available["at"] if available else None
             return ExtendOutcome(
-                extended=False, available_until_ms=to_ms(at) if at is not None else None
+                extended=False, available_until_ms=_epoch_ms(at) if at is not None else None
             )
         await conn.execute(
             "UPDATE allocations SET until = %s, updated_at = compute_now()"
@@ -967,7 +987,13 @@ async def extend_commit(
                 key.key,
                 key.request_hash,
                 reservation_id,
-                jsonb({"extended": True, "reservationId": reservation_id, "until": to_ms(new_end)}),
+                jsonb(
+                    {
+                        "extended": True,
+                        "reservationId": reservation_id,
+                        "until": _epoch_ms(new_end),
+                    }
+                ),
             ),
         )
         await journal.wake(conn, reservation_id=reservation_id, at=new_end, why="end")
@@ -978,8 +1004,8 @@ async def extend_commit(
             data={
                 "state": row["state"],
                 "poolId": row["pool_id"],
-                "end": to_ms(new_end),
-                "previousEnd": to_ms(old_end),
+                "end": _epoch_ms(new_end),
+                "previousEnd": _epoch_ms(old_end),
             },
         )
         await journal.audit(
@@ -989,7 +1015,7 @@ async def extend_commit(
             resource_id=reservation_id,
             actor=actor,
             tenant_id=row["tenant_id"],
-            context={"until": to_ms(new_end)},
+            context={"until": _epoch_ms(new_end)},
         )
     return ExtendOutcome(extended=True)
 

@@ -1,34 +1,32 @@
 """Placement inside a transaction: lock the pool, read a snapshot, decide purely, apply.
 
 The kueue habit: the decision is ``core.placement.place`` over a copy; only then do we write,
-with guarded statements. The pool's advisory lock serialises placements of one pool, so a
+with guarded statements. The pool's advisory lock serialises placements of one pool, so the
 snapshot cannot go stale under us; the ``EXCLUDE`` constraint on bookings is the last word
-anyway (a node moved between pools mid-flight would be caught there, and answered as no-fit).
-Called by admission (transaction 2) and by the reconciler (retries, re-placement, repair).
+anyway: a violation aborts the caller's transaction, which is retried from the start.
+
+Why a cache: a pool's nodes and atoms change rarely and are most of a snapshot. They are kept
+per pool in ``InventoryCache`` under the pool's ``inventory_version`` (bumped in the same
+transaction as any node or atom change), so a placement reads only the version and the atoms
+busy in its window. Called by admission (transaction 2) and by the reconciler.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import psycopg.errors
-
 from bettercompute.core import ids, placement, pools
+from bettercompute.store.caching import Inventory, InventoryCache
 from bettercompute.store.database import Conn
 
-_NODES = "SELECT id, name, ready, connected, labels FROM nodes WHERE pool_id = %s"
+_NODES = "SELECT id, name, ready, connected, labels FROM nodes WHERE pool_id = %s ORDER BY id"
 _ATOMS = """
     SELECT a.id, a.node_id, a.kind, a.device_id, a.parent_gpu, a.profile, a.numa_node,
            a.nvlink_domain, a.healthy
       FROM atoms a JOIN nodes n ON n.id = a.node_id
-     WHERE n.pool_id = %s AND NOT a.retired AND (a.kind = ANY(%s) OR %s)
-"""
-_BUSY = """
-    SELECT DISTINCT b.atom_id
-      FROM bookings b JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id
-     WHERE n.pool_id = %s AND b.during && tstzrange(%s, %s) AND b.reservation_id <> %s
+     WHERE n.pool_id = %s AND NOT a.retired ORDER BY a.id
 """
 
 
@@ -37,17 +35,8 @@ async def lock_pool(conn: Conn, pool_id: str) -> None:
     await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (pool_id,))
 
 
-async def snapshot(
-    conn: Conn,
-    *,
-    pool_id: str,
-    kinds: list[str],
-    start: dt.datetime,
-    end: dt.datetime,
-    ignore_reservation: str,
-    whole_node: bool = False,
-) -> placement.Snapshot:
-    nodes = [
+async def _inventory(conn: Conn, pool_id: str, version: int) -> Inventory:
+    nodes = tuple(
         placement.Node(
             id=r["id"],
             name=r["name"],
@@ -56,8 +45,8 @@ async def snapshot(
             labels=system_labels(r["labels"]),
         )
         for r in await (await conn.execute(_NODES, (pool_id,))).fetchall()
-    ]
-    atoms = [
+    )
+    atoms = tuple(
         placement.Atom(
             id=r["id"],
             node_id=r["node_id"],
@@ -69,14 +58,50 @@ async def snapshot(
             nvlink_domain=r["nvlink_domain"],
             healthy=r["healthy"],
         )
-        for r in await (await conn.execute(_ATOMS, (pool_id, kinds, whole_node))).fetchall()
-    ]
-    busy_rows = await (
-        await conn.execute(_BUSY, (pool_id, start, end, ignore_reservation))
-    ).fetchall()
-    return placement.Snapshot(
-        nodes=nodes, atoms=atoms, busy=frozenset(r["atom_id"] for r in busy_rows)
+        for r in await (await conn.execute(_ATOMS, (pool_id,))).fetchall()
     )
+    return Inventory(version=version, nodes=nodes, atoms=atoms)
+
+
+async def snapshot(
+    conn: Conn,
+    *,
+    cache: InventoryCache | None,
+    pool_id: str,
+    start: dt.datetime,
+    end: dt.datetime,
+    ignore_reservation: str,
+) -> placement.Snapshot:
+    row = await (
+        await conn.execute(
+            "SELECT * FROM bc_busy_atoms(%s, %s, %s, %s)",
+            (pool_id, start, end, ignore_reservation),
+        )
+    ).fetchone()
+    if row is None:
+        return placement.Snapshot(nodes=(), atoms=(), busy=frozenset())
+    return await snapshot_from(
+        conn,
+        cache=cache,
+        pool_id=pool_id,
+        version=int(row["inventory_version"]),
+        busy=row["busy"],
+    )
+
+
+async def snapshot_from(
+    conn: Conn, *, cache: InventoryCache | None, pool_id: str, version: int, busy: list[str]
+) -> placement.Snapshot:
+    """A snapshot from the dynamic part already read (``bc_busy_atoms``) and the inventory."""
+    inventory = cache.get(pool_id, version) if cache is not None else None
+    if inventory is None:
+        # Read under the pool lock after the version: an inventory change bumps the version in
+        # its own transaction, so what we read belongs to this version or a later one, and a
+        # later one is read again on the next placement.
+        inventory = await _inventory(conn, pool_id, version)
+        if cache is not None:
+            cache.put(pool_id, inventory)
+    return placement.Snapshot(nodes=inventory.nodes, atoms=inventory.atoms, busy=frozenset(busy))
 
 
 def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:
@@ -92,6 +117,7 @@ def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:
 async def place(
     conn: Conn,
     *,
+    cache: InventoryCache | None = None,
     reservation_id: str,
     pool_id: str,
     request: Mapping[str, Any],
@@ -100,79 +126,94 @@ async def place(
 ) -> placement.Outcome:
     """Place and book ``request`` for [start, end) in one pool; the caller's transaction commits.
 
-    On ``Placed`` the bookings and one ``planned`` allocation per node are written. A booking
-    refused by the ``EXCLUDE`` constraint (the snapshot went stale despite the lock) is answered
-    as a no-fit, so the reservation waits and is retried rather than failing.
+    On ``Placed`` the bookings and one ``planned`` allocation per node are written (without
+    waiting for the answers: in pipeline mode they travel with the rest of the transaction).
     """
     demand = pools.demand(request=request)
     await lock_pool(conn, pool_id)
     snap = await snapshot(
         conn,
+        cache=cache,
         pool_id=pool_id,
-        kinds=sorted({d.device_class for d in demand.devices}),
         start=start,
         end=end,
         ignore_reservation=reservation_id,
-        whole_node=demand.whole_node,
     )
     outcome = placement.place(snapshot=snap, demand=demand)
-    if isinstance(outcome, placement.NoFit):
-        return outcome
-    by_id = {a.id: a for a in snap.atoms}
-    try:
-        async with conn.transaction():  # a savepoint: a refused booking undoes only this
-            await _book(conn, reservation_id, outcome, by_id, start, end)
-    except psycopg.errors.ExclusionViolation:
-        return placement.NoFit(
-            message="a concurrent booking took the devices; retrying", rejected={"capacity": 1}
+    if isinstance(outcome, placement.Placed):
+        await book(
+            conn,
+            reservation_id=reservation_id,
+            pool_id=pool_id,
+            outcome=outcome,
+            atoms=snap.atoms,
+            start=start,
+            end=end,
         )
     return outcome
 
 
-async def _book(
-    conn: Conn,
+def book_statement(
+    *,
     reservation_id: str,
+    pool_id: str,
     outcome: placement.Placed,
-    by_id: Mapping[str, placement.Atom],
+    atoms: Sequence[placement.Atom],
     start: dt.datetime,
     end: dt.datetime,
-) -> None:
+) -> tuple[str, tuple[Any, ...]]:
+    """The statement that writes the bookings and one ``planned`` allocation per node."""
+    by_id = {a.id: a for a in atoms}
     alloc_ids: list[str] = []
-    node_ids: list[str] = []
-    classes: list[str] = []
     devices: list[str] = []  # per allocation, comma-joined: arrays of arrays must be rectangular
-    atoms: list[str] = []
+    atom_lists: list[str] = []
     booking_atoms: list[str] = []
     booking_allocs: list[str] = []
     for member in outcome.members:
         alloc = ids.new_id("alloc")
-        member_atoms = [by_id[a] for a in member.atom_ids]
         alloc_ids.append(alloc)
-        node_ids.append(member.node_id)
-        classes.append(member_atoms[0].kind)
-        devices.append(",".join(a.device_id for a in member_atoms))
-        atoms.append(",".join(a.id for a in member_atoms))
+        devices.append(",".join(by_id[a].device_id for a in member.atom_ids))
+        atom_lists.append(",".join(member.atom_ids))
         booking_atoms.extend(member.atom_ids)
         booking_allocs.extend([alloc] * len(member.atom_ids))
-    await conn.execute(
-        """
-        INSERT INTO allocations (id, reservation_id, node_id, device_class, device_ids, atom_ids,
-                                 until)
-        SELECT a.id, %s, a.node, a.class, string_to_array(a.devices, ','),
-               string_to_array(a.atoms, ','), %s
-          FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[])
-               AS a(id, node, class, devices, atoms)
-        """,
-        (reservation_id, end, alloc_ids, node_ids, classes, devices, atoms),
+    return (
+        "SELECT bc_book(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            reservation_id,
+            pool_id,
+            start,
+            end,
+            alloc_ids,
+            [m.node_id for m in outcome.members],
+            [by_id[m.atom_ids[0]].kind for m in outcome.members],
+            devices,
+            atom_lists,
+            booking_atoms,
+            booking_allocs,
+        ),
     )
-    await conn.execute(
-        """
-        INSERT INTO bookings (atom_id, reservation_id, allocation_id, during)
-        SELECT b.atom, %s, b.alloc, tstzrange(%s, %s)
-          FROM unnest(%s::text[], %s::text[]) AS b(atom, alloc)
-        """,
-        (reservation_id, start, end, booking_atoms, booking_allocs),
+
+
+async def book(
+    conn: Conn,
+    *,
+    reservation_id: str,
+    pool_id: str,
+    outcome: placement.Placed,
+    atoms: Sequence[placement.Atom],
+    start: dt.datetime,
+    end: dt.datetime,
+) -> None:
+    """Write the bookings and one ``planned`` allocation per node (``bc_book``)."""
+    sql, params = book_statement(
+        reservation_id=reservation_id,
+        pool_id=pool_id,
+        outcome=outcome,
+        atoms=atoms,
+        start=start,
+        end=end,
     )
+    await conn.execute(sql, params)
 
 
 async def unbook(conn: Conn, *, reservation_id: str) -> None:

@@ -40,6 +40,8 @@ CREATE TABLE pools (
     archived        boolean NOT NULL DEFAULT false,
     -- kubernetes, tenantRoot, maxPending, perGpu, admission.budgetCheck, sharing.replicas …
     policy          jsonb NOT NULL DEFAULT '{}',
+    -- Bumped by every change of the pool's nodes or atoms, so placers may cache the inventory.
+    inventory_version bigint NOT NULL DEFAULT 0,
     created_at      timestamptz NOT NULL DEFAULT compute_now(),
     updated_at      timestamptz NOT NULL DEFAULT compute_now()
 );
@@ -180,11 +182,15 @@ CREATE TABLE bookings (
     atom_id         text NOT NULL REFERENCES atoms (id),
     reservation_id  text NOT NULL REFERENCES reservations (id) ON DELETE CASCADE,
     allocation_id   text,
+    -- The atom's pool, kept in step when a node changes pools: the placer's busy-atom read.
+    pool_id         text NOT NULL,
     during          tstzrange NOT NULL CHECK (NOT isempty(during)),
     -- The database itself makes double booking impossible.
     CONSTRAINT bookings_no_overlap EXCLUDE USING gist (atom_id WITH =, during WITH &&)
 );
 CREATE INDEX bookings_reservation ON bookings (reservation_id);
+CREATE INDEX bookings_allocation ON bookings (allocation_id);
+CREATE INDEX bookings_pool_during ON bookings USING gist (pool_id, during);
 
 -- The IAM authorization projection: one row per decided resource.
 CREATE TABLE authz_resources (

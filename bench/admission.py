@@ -1,0 +1,134 @@
+"""Creates per second and p50/p99 latency through the full admission sequence.
+
+Every create runs the guide's whole sequence in-process: validation, the tenant pre-check,
+transaction 1 (draft), one Cedar decision, transaction 2 (quota, placement under the pool lock,
+lifecycle, outbox, audit). Measured at 1, 8 and 32 concurrent callers on an embedded PostgreSQL
+(or ``DATABASE_URL``). Each create books one GPU for an hour in a future window that still has
+room, so every create is placed and the pool never runs dry.
+
+    .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from bettercompute.core import ports
+from bettercompute.iam import policies
+from bettercompute.service.reservations import ReservationService
+from bettercompute.store import inventory
+from bettercompute.store.budgets import DatabaseBudget
+from bettercompute.store.database import Database
+from bettercompute.store.embedded import EmbeddedPostgres
+
+GPUS_PER_NODE = 8
+HOUR_MS = 3_600_000
+
+
+async def setup(db: Database, nodes: int) -> None:
+    await inventory.upsert_tenant(db, tenant_id="acme")
+    await inventory.upsert_pool(
+        db, pool_id="pool_bench", owner_tenant_id="acme", region="eu-west-1", gpu_model="H100"
+    )
+    await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=10**9)
+    for n in range(nodes):
+        name = f"bench-{n:03d}"
+        await inventory.upsert_node(db, inventory.NodeSpec(
+            id=f"node_{name}", name=name, pool_id="pool_bench",
+            atoms=[inventory.AtomSpec(device_id=f"GPU-{name}-{g}", numa_node=g // 4,
+                                      nvlink_domain=f"{name}-nvl{g // 4}")
+                   for g in range(GPUS_PER_NODE)],
+        ))
+
+
+async def run_level(
+    service: ReservationService, *, callers: int, seconds: float, counter: itertools.count[int],
+    base_ms: int, capacity: int,
+) -> tuple[int, float, list[float]]:
+    latencies: list[float] = []
+    stop_at = time.perf_counter() + seconds
+
+    async def caller_loop(c: int) -> None:
+        who = ports.Caller(identity_id=f"bench-{c}", tenant_id="acme")
+        while time.perf_counter() < stop_at:
+            i = next(counter)
+            body = {
+                "tenantId": "acme", "poolId": "pool_bench",
+                "devices": [{"class": "gpu", "count": 1}], "duration": "1h",
+                # A window per `capacity` creates: each one still has a free GPU.
+                "start": base_ms + (i // capacity) * HOUR_MS,
+                "idempotencyKey": f"bench-{i}",
+            }
+            t0 = time.perf_counter()
+            view = await service.create(who, body)
+            latencies.append(time.perf_counter() - t0)
+            if view["state"] != "placed":
+                raise RuntimeError(f"create {i} was not placed: {view['conditions']}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller_loop(c) for c in range(callers)))
+    return len(latencies), time.perf_counter() - t0, latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
+    parser.add_argument("--nodes", type=int, default=64, help="nodes of 8 GPUs in the pool")
+    parser.add_argument("--levels", default="1,8,32", help="concurrent callers to measure")
+    args = parser.parse_args()
+
+    server = None
+    dsn = os.environ.get("DATABASE_URL")
+    if not dsn:
+        server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="bc-bench-")) / "pg",
+                                  delete_on_stop=True)
+        dsn = server.dsn
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS bc_bench WITH (FORCE)")
+            conn.execute("CREATE DATABASE bc_bench")
+        dsn = dsn.replace("/postgres?", "/bc_bench?")
+    levels = [int(x) for x in args.levels.split(",")]
+    db = await Database.open(dsn, min_size=4, max_size=max(levels) + 8)
+    try:
+        await setup(db, args.nodes)
+        service = ReservationService(
+            db=db, policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
+            budget=DatabaseBudget(db),
+        )
+        base_ms = int(time.time() * 1000) + 86_400_000
+        counter = itertools.count()
+        capacity = args.nodes * GPUS_PER_NODE
+        # Warm-up: prepared statements, Cedar, connection pool.
+        await run_level(service, callers=8, seconds=1.0, counter=counter, base_ms=base_ms,
+                        capacity=capacity)
+        print(f"admission: full create sequence, 1 GPU x 1h each, pool of {args.nodes} nodes x "
+              f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level")
+        print(f"{'callers':>8} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
+        for callers in levels:
+            n, elapsed, lat = await run_level(
+                service, callers=callers, seconds=args.seconds, counter=counter,
+                base_ms=base_ms, capacity=capacity,
+            )
+            print(f"{callers:>8} {n:>8} {n / elapsed:>10.0f} {pct(lat, 50):>8.2f} "
+                  f"{pct(lat, 99):>8.2f}", flush=True)
+    finally:
+        await db.close()
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
