@@ -11,7 +11,7 @@ import re
 MS_PER_UNIT = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "ms": 1}
 
 # Units must appear largest first and at most once ('2h30m', not '30m2h' or '1h1h').
-_PART = re.compile(r"(\d{1,9})(ms|d|h|m|s)")
+_PART = re.compile(r"(\d{1,12})(ms|d|h|m|s)")
 _ORDER = ["d", "h", "m", "s", "ms"]
 
 #: The longest window one request may ask for; longer is almost certainly a typo.

@@ -36,17 +36,23 @@ class EventDelivery:
 
     async def deliver_pending(self) -> int:
         """Deliver what is waiting now; returns how many events were delivered."""
-        last = await queries.outbox_cursor(self.db, subscriber=self.subscriber)
+        last = saved = await queries.outbox_cursor(self.db, subscriber=self.subscriber)
         count = 0
-        while True:
-            events = await queries.outbox_after(self.db, after_id=last)
-            if not events:
-                return count
-            for event in events:
-                await self.handler(event)
-                last = event["id"]
-                count += 1
-            await queries.save_outbox_cursor(self.db, subscriber=self.subscriber, last_id=last)
+        try:
+            while True:
+                events = await queries.outbox_after(self.db, after_id=last)
+                if not events:
+                    return count
+                for event in events:
+                    await self.handler(event)
+                    last = event["id"]
+                    count += 1
+        finally:
+            # Up to the last event handled, even when a handler fails: what failed comes again.
+            if last != saved:
+                await queries.save_outbox_cursor(
+                    self.db, subscriber=self.subscriber, last_id=last
+                )
 
     async def run(self) -> None:
         listener = asyncio.create_task(self._listen(), name=f"events-{self.subscriber}")
