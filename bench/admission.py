@@ -42,17 +42,32 @@ async def setup(db: Database, nodes: int) -> None:
     await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=10**9)
     for n in range(nodes):
         name = f"bench-{n:03d}"
-        await inventory.upsert_node(db, inventory.NodeSpec(
-            id=f"node_{name}", name=name, pool_id="pool_bench",
-            atoms=[inventory.AtomSpec(device_id=f"GPU-{name}-{g}", numa_node=g // 4,
-                                      nvlink_domain=f"{name}-nvl{g // 4}")
-                   for g in range(GPUS_PER_NODE)],
-        ))
+        await inventory.upsert_node(
+            db,
+            inventory.NodeSpec(
+                id=f"node_{name}",
+                name=name,
+                pool_id="pool_bench",
+                atoms=[
+                    inventory.AtomSpec(
+                        device_id=f"GPU-{name}-{g}",
+                        numa_node=g // 4,
+                        nvlink_domain=f"{name}-nvl{g // 4}",
+                    )
+                    for g in range(GPUS_PER_NODE)
+                ],
+            ),
+        )
 
 
 async def run_level(
-    service: ReservationService, *, callers: int, seconds: float, counter: itertools.count[int],
-    base_ms: int, capacity: int,
+    service: ReservationService,
+    *,
+    callers: int,
+    seconds: float,
+    counter: itertools.count[int],
+    base_ms: int,
+    capacity: int,
 ) -> tuple[int, float, list[float]]:
     latencies: list[float] = []
     stop_at = time.perf_counter() + seconds
@@ -62,8 +77,10 @@ async def run_level(
         while time.perf_counter() < stop_at:
             i = next(counter)
             body = {
-                "tenantId": "acme", "poolId": "pool_bench",
-                "devices": [{"class": "gpu", "count": 1}], "duration": "1h",
+                "tenantId": "acme",
+                "poolId": "pool_bench",
+                "devices": [{"class": "gpu", "count": 1}],
+                "duration": "1h",
                 # A window per `capacity` creates: each one still has a free GPU.
                 "start": base_ms + (i // capacity) * HOUR_MS,
                 "idempotencyKey": f"bench-{i}",
@@ -93,8 +110,9 @@ async def main() -> None:
     server = None
     dsn = os.environ.get("DATABASE_URL")
     if not dsn:
-        server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="bc-bench-")) / "pg",
-                                  delete_on_stop=True)
+        server = EmbeddedPostgres(
+            Path(tempfile.mkdtemp(prefix="bc-bench-")) / "pg", delete_on_stop=True
+        )
         dsn = server.dsn
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP DATABASE IF EXISTS bc_bench WITH (FORCE)")
@@ -104,26 +122,37 @@ async def main() -> None:
     db = await Database.open(dsn, min_size=4, max_size=max(levels) + 8)
     try:
         await setup(db, args.nodes)
-        service = ReservationService(
-            db=db, policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
+        service = await ReservationService.start(
+            db=db,
+            policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
             budget=DatabaseBudget(db),
         )
         base_ms = int(time.time() * 1000) + 86_400_000
         counter = itertools.count()
         capacity = args.nodes * GPUS_PER_NODE
         # Warm-up: prepared statements, Cedar, connection pool.
-        await run_level(service, callers=8, seconds=1.0, counter=counter, base_ms=base_ms,
-                        capacity=capacity)
-        print(f"admission: full create sequence, 1 GPU x 1h each, pool of {args.nodes} nodes x "
-              f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level")
+        await run_level(
+            service, callers=8, seconds=1.0, counter=counter, base_ms=base_ms, capacity=capacity
+        )
+        print(
+            f"admission: full create sequence, 1 GPU x 1h each, pool of {args.nodes} nodes x "
+            f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level"
+        )
         print(f"{'callers':>8} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
         for callers in levels:
             n, elapsed, lat = await run_level(
-                service, callers=callers, seconds=args.seconds, counter=counter,
-                base_ms=base_ms, capacity=capacity,
+                service,
+                callers=callers,
+                seconds=args.seconds,
+                counter=counter,
+                base_ms=base_ms,
+                capacity=capacity,
             )
-            print(f"{callers:>8} {n:>8} {n / elapsed:>10.0f} {pct(lat, 50):>8.2f} "
-                  f"{pct(lat, 99):>8.2f}", flush=True)
+            print(
+                f"{callers:>8} {n:>8} {n / elapsed:>10.0f} {pct(lat, 50):>8.2f} "
+                f"{pct(lat, 99):>8.2f}",
+                flush=True,
+            )
     finally:
         await db.close()
         if server is not None:

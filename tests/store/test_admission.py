@@ -12,6 +12,7 @@ from bettercompute.core.errors import ComputeError
 from bettercompute.iam import policies
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
+from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.support.world import World
@@ -438,7 +439,15 @@ async def test_events_and_audit_of_a_placement(db: Database, service: Reservatio
     async with db.connection() as conn:
         events = await (await conn.execute("SELECT type, subject, data FROM outbox")).fetchall()
         audit = await (
-            await conn.execute("SELECT actor, outcome, context FROM audit_log")
+            await conn.execute(
+                "SELECT actor, outcome, context FROM audit_log"
+                " WHERE action = 'compute:reservations:create'"
+            )
+        ).fetchall()
+        transitions = await (
+            await conn.execute(
+                "SELECT resource_id, outcome, context FROM audit_log WHERE action = 'transition'"
+            )
         ).fetchall()
     [event] = events
     assert event["type"] == "reservation.placed"
@@ -456,6 +465,18 @@ async def test_events_and_audit_of_a_placement(db: Database, service: Reservatio
     assert row["context"]["decision"] == "allow"
     assert row["context"]["attributes"]["gpuCount"] == 4
     assert row["context"]["attributes"]["durationHours"] == 8.0
+    assert transitions == [
+        {
+            "resource_id": view["id"],
+            "outcome": "placed",
+            "context": {
+                "from": "draft",
+                "to": "placed",
+                "version": view["version"],
+                "releaseReason": None,
+            },
+        }
+    ]
 
 
 async def test_wait_returns_at_once_with_the_inline_placer(
@@ -464,3 +485,58 @@ async def test_wait_returns_at_once_with_the_inline_placer(
     await acme(db)
     view = await service.create(caller(), create_input(wait={"timeoutMs": 60_000}))
     assert view["operation"]["state"] == "succeeded"
+
+
+HEADLINE = """
+@id("h100-at-most-8-for-72h-in-eu")
+permit (
+  principal,
+  action == Compute::Action::"compute:reservations:create",
+  resource is Compute::Reservation
+)
+when {
+  principal.tenant == resource.tenant &&
+  resource.gpuModel == "H100" && resource.gpuCount <= 8 &&
+  resource.durationHours.lessThanOrEqual(decimal("72.0")) &&
+  ["eu-west-1", "eu-central-1"].contains(resource.region)
+};
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "allowed"),
+    [
+        ({}, True),
+        ({"duration": "72h"}, True),
+        ({"duration": "72h4s"}, False),  # 72.001 h: policies see three decimals
+        ({"devices": [{"class": "gpu", "count": 8}]}, True),
+        ({"gang": {"size": 2}}, True),  # 4 × 2 = 8 GPUs
+        ({"gang": {"size": 3}}, False),  # 12 GPUs
+    ],
+)
+async def test_one_policy_bounds_model_count_duration_and_region(
+    db: Database, make_service: Any, change: dict[str, Any], allowed: bool
+):
+    await acme(db, gpus=64, nodes=3)
+    service = make_service(CountingPolicy(HEADLINE))
+    body = create_input(**{"devices": [{"class": "gpu", "count": 4}], **change})
+    if allowed:
+        assert (await service.create(caller(), body))["state"] == "placed"
+    else:
+        await expect("ACCESS_DENIED", service.create(caller(), body))
+
+
+async def test_the_same_policy_refuses_another_region(db: Database, make_service: Any):
+    await acme(db, region="us-east-1")
+    service = make_service(CountingPolicy(HEADLINE))
+    await expect("ACCESS_DENIED", service.create(caller(), create_input()))
+
+
+async def test_service_start_reads_the_root_tenant(db: Database):
+    await acme(db)
+    service = await ReservationService.start(
+        db=db, policy=policies.AllowAllPolicyEngine(), budget=DatabaseBudget(db)
+    )
+    assert service.root_tenant_id == "root"
+    view = await service.create(caller("ops", tenant="root"), create_input())
+    assert view["state"] == "placed"

@@ -47,6 +47,15 @@ class ReservationService:
         # the database; the claim in the idempotency row does the same across replicas.
         self._in_flight: dict[str, asyncio.Event] = {}
 
+    @classmethod
+    async def start(
+        cls, *, db: Database, policy: ports.PolicyEngine, budget: ports.BudgetCheck
+    ) -> ReservationService:
+        """A service for ``db``, with the root tenant as the database names it."""
+        return cls(
+            db=db, policy=policy, budget=budget, root_tenant_id=await queries.root_tenant(db)
+        )
+
     # --- pre-check -------------------------------------------------------------------------
 
     def _precheck(self, caller: ports.Caller, tenant_id: str) -> None:

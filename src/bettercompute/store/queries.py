@@ -94,3 +94,10 @@ async def save_outbox_cursor(db: Database, *, subscriber: str, last_id: int) -> 
             "UPDATE outbox_cursors SET last_id = greatest(last_id, %s) WHERE subscriber = %s",
             (last_id, subscriber),
         )
+
+
+async def root_tenant(db: Database) -> str | None:
+    """The root tenant's id, whose members pass every tenant pre-check, if there is one."""
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT id FROM tenants WHERE is_root")).fetchone()
+    return None if row is None else str(row["id"])

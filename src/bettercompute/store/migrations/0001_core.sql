@@ -256,3 +256,18 @@ CREATE FUNCTION notify_work() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN PERFORM pg_notify('compute_work', ''); RETURN NULL; END $$;
 CREATE TRIGGER work_queue_notify AFTER INSERT ON work_queue
     FOR EACH STATEMENT EXECUTE FUNCTION notify_work();
+
+-- An audit row for every transition of a reservation, whoever made it (admission, the
+-- reconciler, an operation): written by the database, so no code path can forget it.
+-- Decisions are audited by the code that asked for them, with their context.
+CREATE FUNCTION audit_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO audit_log (actor, tenant_id, action, resource_id, outcome, context)
+    VALUES (NULL, NEW.tenant_id, 'transition', NEW.id, NEW.state,
+            jsonb_build_object('from', OLD.state, 'to', NEW.state, 'version', NEW.version,
+                               'releaseReason', NEW.release_reason));
+    RETURN NULL;
+END $$;
+CREATE TRIGGER reservations_audit_transition AFTER UPDATE OF state ON reservations
+    FOR EACH ROW WHEN (OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION audit_transition();
