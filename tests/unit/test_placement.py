@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from bettercompute.core.placement import (
     Atom,
+    AtomKind,
     Demand,
     DeviceDemand,
     Member,
@@ -63,34 +64,45 @@ class SnapshotBuilder:
         g = 0
         for domain, size in sizes:
             for _ in range(size):
-                dev = f"GPU-{name}-{g}"
-                self._atoms.append(
-                    Atom(f"{name}.g{g}", node_id, "gpu", dev, dev, None, 0, domain, True)
-                )
+                device = f"GPU-{name}-{g}"
+                self._add(f"{name}.g{g}", node_id, "gpu", device, device, domain=domain)
                 g += 1
         for p, profiles in enumerate(mig):
             for k, profile in enumerate(profiles):
                 atom_id = f"{name}.m{p}.{k}"
-                self._atoms.append(
-                    Atom(
-                        atom_id,
-                        node_id,
-                        "mig",
-                        f"MIG-{atom_id}",
-                        f"{name}.M{p}",
-                        profile,
-                        0,
-                        None,
-                        True,
-                    )
+                self._add(
+                    atom_id, node_id, "mig", f"MIG-{atom_id}", f"{name}.M{p}", profile=profile
                 )
         for p, count in enumerate(slots):
             for k in range(count):
                 atom_id = f"{name}.s{p}.{k}"
-                self._atoms.append(
-                    Atom(atom_id, node_id, "slot", atom_id, f"{name}.S{p}", None, 0, None, True)
-                )
+                self._add(atom_id, node_id, "slot", atom_id, f"{name}.S{p}")
         return self
+
+    def _add(
+        self,
+        atom_id: str,
+        node_id: str,
+        kind: AtomKind,
+        device_id: str,
+        parent_gpu: str,
+        *,
+        profile: str | None = None,
+        domain: str | None = None,
+    ) -> None:
+        self._atoms.append(
+            Atom(
+                id=atom_id,
+                node_id=node_id,
+                kind=kind,
+                device_id=device_id,
+                parent_gpu=parent_gpu,
+                profile=profile,
+                numa_node=0,
+                nvlink_domain=domain,
+                healthy=True,  # set in build(), from unhealthy()
+            )
+        )
 
     def busy(self, *atom_ids: str) -> SnapshotBuilder:
         self._busy.update(atom_ids)
@@ -510,7 +522,7 @@ def test_4096_atoms_place_quickly() -> None:
 # --------------------------------------------------------------------------- properties
 
 PROFILES = ("1g.10gb", "3g.40gb")
-LABELS = ({}, {"zone": "x"}, {"zone": "y"}, {"zone": "x", "k8s": "1"})
+LABELS: tuple[dict[str, str], ...] = ({}, {"zone": "x"}, {"zone": "y"}, {"zone": "x", "k8s": "1"})
 # Whole MIG layouts of one GPU, so a random pool costs few draws (and the tests stay fast).
 MIG_LAYOUTS = ((), ("1g.10gb",) * 3, ("3g.40gb", "1g.10gb"), ("3g.40gb", "3g.40gb"))
 

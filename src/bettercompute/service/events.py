@@ -50,9 +50,7 @@ class EventDelivery:
         finally:
             # Up to the last event handled, even when a handler fails: what failed comes again.
             if last != saved:
-                await queries.save_outbox_cursor(
-                    self.db, subscriber=self.subscriber, last_id=last
-                )
+                await queries.save_outbox_cursor(self.db, subscriber=self.subscriber, last_id=last)
 
     async def run(self) -> None:
         listener = asyncio.create_task(self._listen(), name=f"events-{self.subscriber}")

@@ -416,12 +416,16 @@ async def current_time(conn: Conn) -> dt.datetime:
     return now
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
 def from_ms(ms: int) -> dt.datetime:
-    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+    return _EPOCH + dt.timedelta(milliseconds=ms)
 
 
 def to_ms(at: dt.datetime) -> int:
-    return int(at.timestamp() * 1000)
+    """Epoch milliseconds, exactly (no float): business time is in whole milliseconds."""
+    return (at - _EPOCH) // dt.timedelta(milliseconds=1)
 
 
 async def mark_placed(

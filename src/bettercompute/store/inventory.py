@@ -235,14 +235,14 @@ async def set_node_status(
 async def _bump(conn: Any, pool_ids: list[str]) -> None:
     # Placers cache a pool's nodes and atoms by this version (see ``placing``).
     await conn.execute(
-        "UPDATE pools SET inventory_version = inventory_version + 1 WHERE id = ANY(%s)",
+        "UPDATE pools SET inventory_version = nextval('inventory_versions') WHERE id = ANY(%s)",
         (pool_ids,),
     )
 
 
 async def _bump_node_pool(conn: Any, node_id: str) -> None:
     await conn.execute(
-        "UPDATE pools SET inventory_version = inventory_version + 1"
+        "UPDATE pools SET inventory_version = nextval('inventory_versions')"
         " WHERE id = (SELECT pool_id FROM nodes WHERE id = %s)",
         (node_id,),
     )

@@ -34,19 +34,10 @@ HELD_STEP = dt.timedelta(minutes=5)
 HELD_LIMIT = dt.timedelta(hours=24)
 EXTEND_HOLD_TTL = dt.timedelta(seconds=60)
 
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
 _ROW = """
     SELECT r.*, lower(r.during) AS start_at, upper(r.during) AS end_at
       FROM reservations r WHERE r.id = %s FOR UPDATE
 """
-
-
-def _epoch_ms(at: dt.datetime) -> int:
-    """Epoch milliseconds rounded to nearest, as SQL ``epoch_ms`` rounds for the reservation
-    object, so an extend's answer and event name the same ``end`` as ``during`` does.
-    (``admission.to_ms`` truncates: a window that began "now" keeps microseconds.)"""
-    return ((at - _EPOCH) // dt.timedelta(microseconds=1) + 500) // 1000
 
 
 async def _pool_of(conn: Conn, reservation_id: str) -> str | None:
@@ -224,12 +215,11 @@ async def _retry_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
         )
         return
     current = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
+    if current is not None and current.get("reason") == Reason.BOOKING_REPAIR_FAILED:
+        # Still no fit: the reason the reservation waits is still the booking that went bad.
+        return await _still_pending(conn, row, now)
     if current is not None and current.get("message") == outcome.message:
-        # Nothing changed: keep the version still, so watchers see no churn.
-        await journal.wake(
-            conn, reservation_id=row["id"], at=now + admission.PENDING_RETRY, why="retry"
-        )
-        return
+        return await _still_pending(conn, row, now)
     await admission.mark_pending(
         conn,
         reservation_id=row["id"],
@@ -237,6 +227,13 @@ async def _retry_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
         message=outcome.message,
         now=now,
         first=False,
+    )
+
+
+async def _still_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
+    # Nothing changed: keep the version still, so watchers see no churn; try again in 30 s.
+    await journal.wake(
+        conn, reservation_id=row["id"], at=now + admission.PENDING_RETRY, why="retry"
     )
 
 
@@ -673,6 +670,11 @@ async def renew(db: Database, *, reservation_id: str) -> None:
                 state=state.value,
             )
         now = await admission.current_time(conn)
+        if row["lease_expires_at"] is not None and now >= row["lease_expires_at"]:
+            # Lapsed, and the reconciler is about to release it: a renew cannot bring it back.
+            raise errors.invalid_state(
+                "the lease has lapsed; the reservation is being released", state=state.value
+            )
         until = now + dt.timedelta(seconds=row["lease_seconds"])
         await conn.execute(
             "UPDATE reservations SET lease_expires_at = %s, version = version + 1,"
@@ -838,7 +840,7 @@ async def extend_begin(
                 jsonb(
                     {
                         "durationHours": attrs["durationHours"],
-                        "until": _epoch_ms(new_end),
+                        "until": to_ms(new_end),
                         "hold": hold,
                     }
                 ),
@@ -957,7 +959,7 @@ async def extend_commit(
             await _clear_hold(conn, reservation_id, start.hold)
             at = available["at"] if available else None
             return ExtendOutcome(
-                extended=False, available_until_ms=_epoch_ms(at) if at is not None else None
+                extended=False, available_until_ms=to_ms(at) if at is not None else None
             )
         await conn.execute(
             "UPDATE allocations SET until = %s, updated_at = compute_now()"
@@ -991,7 +993,7 @@ async def extend_commit(
                     {
                         "extended": True,
                         "reservationId": reservation_id,
-                        "until": _epoch_ms(new_end),
+                        "until": to_ms(new_end),
                     }
                 ),
             ),
@@ -1004,8 +1006,8 @@ async def extend_commit(
             data={
                 "state": row["state"],
                 "poolId": row["pool_id"],
-                "end": _epoch_ms(new_end),
-                "previousEnd": _epoch_ms(old_end),
+                "end": to_ms(new_end),
+                "previousEnd": to_ms(old_end),
             },
         )
         await journal.audit(
@@ -1015,7 +1017,7 @@ async def extend_commit(
             resource_id=reservation_id,
             actor=actor,
             tenant_id=row["tenant_id"],
-            context={"until": _epoch_ms(new_end)},
+            context={"until": to_ms(new_end)},
         )
     return ExtendOutcome(extended=True)
 

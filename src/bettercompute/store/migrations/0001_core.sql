@@ -11,9 +11,11 @@ CREATE TABLE compute_clock (
 );
 INSERT INTO compute_clock DEFAULT VALUES;
 
+-- Whole milliseconds, as the API speaks: a window that begins "now" ends exactly where its
+-- announced end says, so another can be booked from that instant without overlapping.
 CREATE FUNCTION compute_now() RETURNS timestamptz
     LANGUAGE sql STABLE PARALLEL SAFE
-    AS $$ SELECT now() + (SELECT offset_ FROM compute_clock) $$;
+    AS $$ SELECT date_trunc('milliseconds', now() + (SELECT offset_ FROM compute_clock)) $$;
 
 CREATE FUNCTION epoch_ms(t timestamptz) RETURNS bigint
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
@@ -28,6 +30,8 @@ CREATE TABLE tenants (
 -- At most one root tenant.
 CREATE UNIQUE INDEX tenants_one_root ON tenants (is_root) WHERE is_root;
 
+CREATE SEQUENCE inventory_versions;
+
 CREATE TABLE pools (
     id              text PRIMARY KEY,
     owner_tenant_id text NOT NULL REFERENCES tenants (id),
@@ -40,8 +44,9 @@ CREATE TABLE pools (
     archived        boolean NOT NULL DEFAULT false,
     -- kubernetes, tenantRoot, maxPending, perGpu, admission.budgetCheck, sharing.replicas …
     policy          jsonb NOT NULL DEFAULT '{}',
-    -- Bumped by every change of the pool's nodes or atoms, so placers may cache the inventory.
-    inventory_version bigint NOT NULL DEFAULT 0,
+    -- Changed by every change of the pool's nodes or atoms, so placers may cache the inventory.
+    -- Drawn from one sequence: a pool deleted and made again never repeats a version.
+    inventory_version bigint NOT NULL DEFAULT nextval('inventory_versions'),
     created_at      timestamptz NOT NULL DEFAULT compute_now(),
     updated_at      timestamptz NOT NULL DEFAULT compute_now()
 );
