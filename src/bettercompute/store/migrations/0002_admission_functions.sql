@@ -19,6 +19,9 @@ BEGIN
     INSERT INTO idempotency (id, scope, tenant_id, identity_id, key, request_hash, reservation_id)
     VALUES (p_idem, 'create', p_tenant, p_identity, p_key, p_hash, p_rid)
     ON CONFLICT (id) DO NOTHING;
+    -- Lock first, read after: a read that waited on the lock inside one statement would see the
+    -- reservation as its snapshot had it (a draft) while the key's row had moved on.
+    PERFORM 1 FROM idempotency WHERE id = p_idem FOR UPDATE;
     RETURN QUERY
     SELECT i.request_hash, i.claim IS NOT NULL AND i.claimed_at > compute_now() - p_claim_ttl,
            r.state, p.id, p.owner_tenant_id, p.region, p.gpu_model, p.sharing_mode, p.replicas,
@@ -27,8 +30,7 @@ BEGIN
       LEFT JOIN reservations r ON r.id = i.reservation_id
       LEFT JOIN pools p ON p.id = p_pool
       LEFT JOIN offers o ON o.pool_id = p.id AND o.tenant_id = p_tenant
-     WHERE i.id = p_idem
-       FOR UPDATE OF i;
+     WHERE i.id = p_idem;
 END $$;
 
 -- Quota, all or nothing: charge every resource, or none and answer what is short.
