@@ -13,10 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import psycopg
-
-from bettercompute.store import queries
-from bettercompute.store.database import Database
+from bettercompute.store import listening, queries
+from bettercompute.store.database import Database, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +51,15 @@ class EventDelivery:
                 await queries.save_outbox_cursor(self.db, subscriber=self.subscriber, last_id=last)
 
     async def run(self) -> None:
-        listener = asyncio.create_task(self._listen(), name=f"events-{self.subscriber}")
+        listener = asyncio.create_task(
+            listening.wake_on(self.db.dsn, "compute_outbox", self._wake),
+            name=f"events-{self.subscriber}",
+        )
         try:
             while True:
                 try:
                     await self.deliver_pending()
-                except psycopg.OperationalError as e:
+                except StoreError as e:
                     log.warning("event delivery to %s failed, retrying: %s", self.subscriber, e)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -67,15 +68,3 @@ class EventDelivery:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.db.dsn, autocommit=True)
-                async with conn:
-                    await conn.execute("LISTEN compute_outbox")
-                    async for _ in conn.notifies():
-                        self._wake.set()
-            except psycopg.OperationalError as e:
-                log.warning("event listener lost its connection: %s", e)
-                await asyncio.sleep(1)

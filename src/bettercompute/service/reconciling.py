@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import logging
 
-import psycopg
-
-from bettercompute.store import lifecycle
-from bettercompute.store.database import Database
+from bettercompute.store import listening, reconciling
+from bettercompute.store.database import Database, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +30,22 @@ class Reconciler:
         """Reconcile everything due now; returns how many reservations were reconciled."""
         total = 0
         while True:
-            done = await lifecycle.reconcile_due(self.db, limit=self.batch)
+            done = await reconciling.reconcile_due(self.db, limit=self.batch)
             total += done
             if done < self.batch:
                 return total
 
     async def run(self) -> None:
-        listener = asyncio.create_task(self._listen(), name="reconciler-listen")
+        listener = asyncio.create_task(
+            listening.wake_on(self.db.dsn, "compute_work", self._wake), name="reconciler-listen"
+        )
         try:
             while True:
                 try:
                     await self.run_once()
-                except psycopg.OperationalError as e:
+                except StoreError as e:
                     log.warning("reconciler pass failed, retrying: %s", e)
-                due = await lifecycle.next_due_in(self.db)
+                due = await reconciling.next_due_in(self.db)
                 timeout = MAX_IDLE_S if due is None else min(MAX_IDLE_S, due)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -54,15 +54,3 @@ class Reconciler:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.db.dsn, autocommit=True)
-                async with conn:
-                    await conn.execute("LISTEN compute_work")
-                    async for _ in conn.notifies():
-                        self._wake.set()
-            except psycopg.OperationalError as e:
-                log.warning("reconciler lost its notification connection: %s", e)
-                await asyncio.sleep(1)

@@ -18,7 +18,7 @@ from typing import Any
 
 from bettercompute.core import errors, ids, ports, requests, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store import admission, lifecycle, queries
+from bettercompute.store import admission, extending, queries, releasing, reports, views
 from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class ReservationService:
         return view
 
     async def _view(self, rid: str) -> dict[str, Any]:
-        view = await lifecycle.get_view(self.db, rid)
+        view = await views.get(self.db, rid)
         if view is None:
             raise errors.not_found()
         return view
@@ -335,7 +335,7 @@ class ReservationService:
         value = requests.parse(requests.ReleaseInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
-        await lifecycle.release(
+        await releasing.release(
             self.db, reservation_id=value.reservationId, actor=caller.identity_id
         )
         return await self._view(value.reservationId)
@@ -344,7 +344,7 @@ class ReservationService:
         value = requests.parse(requests.CancelInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
-        await lifecycle.cancel(
+        await releasing.cancel(
             self.db, reservation_id=value.reservationId, actor=caller.identity_id
         )
         return await self._view(value.reservationId)
@@ -353,7 +353,7 @@ class ReservationService:
         value = requests.parse(requests.RenewInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.EXTEND)
-        await lifecycle.renew(self.db, reservation_id=value.reservationId)
+        await releasing.renew(self.db, reservation_id=value.reservationId)
         return await self._view(value.reservationId)
 
     async def extend(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -371,7 +371,7 @@ class ReservationService:
             raise errors.not_found()
         if not await self._may(caller, value.tenantId, rid, row, ports.READ):
             raise errors.not_found()
-        key = lifecycle.ExtendKey(
+        key = extending.ExtendKey(
             idempotency_id=ids.idempotency_id(
                 "extend", value.tenantId, caller.identity_id, value.idempotencyKey
             ),
@@ -380,20 +380,20 @@ class ReservationService:
             key=value.idempotencyKey,
             request_hash=requests.extend_hash(value),
         )
-        replay = await lifecycle.extend_replay(
+        replay = await extending.extend_replay(
             self.db, idempotency_id=key.idempotency_id, request_hash=key.request_hash
         )
         if replay is not None:
             return {"reservation": await self._view(rid), "extended": replay.extended}
         hold = ids.new_id("hold")  # server-minted: callers cannot set it
-        begun = await lifecycle.extend_begin(
+        begun = await extending.extend_begin(
             self.db,
             reservation_id=rid,
             until_ms=value.until,
             by_ms=value.by if isinstance(value.by, int) else None,
             hold=hold,
         )
-        if isinstance(begun, lifecycle.AlreadyReached):
+        if isinstance(begun, extending.AlreadyReached):
             return {"reservation": await self._view(rid), "extended": False}
         try:
             decision = await self.policy.decide(
@@ -425,13 +425,13 @@ class ReservationService:
                 old_hours = float(row["attributes"].get("durationHours", 0))
                 extra["durationHours"] = max(0.0, begun.attributes["durationHours"] - old_hours)
                 await self._check_budget(caller, value.tenantId, extra)
-            outcome = await lifecycle.extend_commit(
+            outcome = await extending.extend_commit(
                 self.db, reservation_id=rid, start=begun, actor=caller.identity_id, key=key
             )
         except BaseException:
             # A refusal or an abandon clears the pending change (only when the hold is ours),
             # so a refused lifetime never reaches later decisions on the reservation.
-            await asyncio.shield(lifecycle.extend_clear(self.db, reservation_id=rid, hold=hold))
+            await asyncio.shield(extending.extend_clear(self.db, reservation_id=rid, hold=hold))
             raise
         answer: dict[str, Any] = {
             "reservation": await self._view(rid),
@@ -447,7 +447,7 @@ class ReservationService:
         self, *, node_id: str, allocation_id: str, kind: str, details: Mapping[str, Any]
     ) -> bool:
         """A node's report (bound, failed, releasing, released) on one of its allocations."""
-        return await lifecycle.report(
+        return await reports.report(
             self.db, node_id=node_id, allocation_id=allocation_id, kind=kind, details=details
         )
 

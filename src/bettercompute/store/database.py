@@ -65,13 +65,18 @@ class Database:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Conn]:
         """A connection inside one transaction, committed when the block ends cleanly."""
-        async with self.pool.connection() as conn, conn.transaction():
+        async with self.connection() as conn, conn.transaction():
             yield conn
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
-        async with self.pool.connection() as conn:
-            yield conn
+        """A pooled connection. A lost connection or an unreachable server is ``StoreError``,
+        so the layers above never see a psycopg exception."""
+        try:
+            async with self.pool.connection() as conn:
+                yield conn
+        except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as e:
+            raise StoreError(f"the database is unavailable: {e}") from e
 
 
 @asynccontextmanager
@@ -81,7 +86,7 @@ async def scripted(db: Database) -> AsyncIterator[Conn]:
     The scripts say ``BEGIN`` and ``COMMIT`` themselves, so a transaction of two steps costs two
     round trips. Whatever the block leaves open (an early answer, an exception) is rolled back.
     """
-    async with db.pool.connection() as conn:
+    async with db.connection() as conn:
         try:
             yield conn
         finally:

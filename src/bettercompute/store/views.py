@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bettercompute.core import states
-from bettercompute.store.database import Conn, Row
+from bettercompute.store.database import Conn, Database, Row
 
 COLUMNS = """
     r.id, r.tenant_id, r.pool_id, r.state, r.request, r.owner_identity_id, r.idempotency_key,
@@ -95,3 +95,9 @@ async def read(conn: Conn, reservation_id: str) -> Row | None:
         f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %s", (reservation_id,)
     )
     return await cur.fetchone()
+
+
+async def get(db: Database, reservation_id: str) -> dict[str, Any] | None:
+    async with db.connection() as conn:
+        row = await read(conn, reservation_id)
+    return None if row is None else to_view(row)

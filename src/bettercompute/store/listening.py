@@ -1,0 +1,34 @@
+"""Waking a loop when PostgreSQL says something changed (``LISTEN``/``NOTIFY``).
+
+Here in ``store`` because it speaks to the database; the service's loops only hand it an event.
+
+The reconciler and event delivery both sleep until their next due moment and are woken early
+by a notification on their channel. The listener keeps its own connection (a pooled one would
+be held forever) and reconnects after a failure; a missed notification only delays a loop until
+its next poll, never loses work, since the loops read their state from the tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+
+async def wake_on(dsn: str, channel: str, wake: asyncio.Event) -> None:
+    """Set ``wake`` on every notification on ``channel``, until cancelled."""
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            async with conn:
+                await conn.execute(
+                    psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel))
+                )
+                async for _ in conn.notifies():
+                    wake.set()
+        except psycopg.OperationalError as e:
+            log.warning("lost the %s notification connection, reconnecting: %s", channel, e)
+            await asyncio.sleep(1)
