@@ -1136,3 +1136,32 @@ async def test_a_lapsed_lease_cannot_be_renewed(db: Database, service: Reservati
         await service.renew(caller(), {"tenantId": "acme", "reservationId": view["id"]})
     assert info.value.code == "INVALID_STATE"
     assert "lapsed" in info.value.message
+
+
+async def test_node_lease_books_whole_nodes_and_gets_no_second_placement(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db, nodes=2, gpus=8, quota=16, policy={"tenantRoot": True})
+    view = await create(
+        service,
+        "metal",
+        count=8,
+        duration="8h",
+        binding="node",
+        node={"profileId": "ubuntu-24.04"},
+    )
+    assert view["state"] == "placed"
+    [alloc] = await allocations(db, view["id"])
+    assert len(alloc["device_ids"]) == 8  # every atom of the node
+    await run(db)
+    assert (await get(service, view["id"]))["state"] == "binding"
+    # Metal has two hours to deploy; nothing after five minutes.
+    await advance(db, 6 * 60)
+    await run(db)
+    assert (await get(service, view["id"]))["state"] == "binding"
+    await advance(db, 2 * 3600)
+    await run(db)
+    failed = await get(service, view["id"])
+    assert failed["state"] == "failed"
+    assert condition(failed, "BindTimeout")["reason"] == "NodeDidNotBind"
+    assert await quota_used(db) == 0

@@ -305,7 +305,8 @@ async def _binding(conn: Conn, row: Row, now: dt.datetime) -> None:
         if failed
         else f"no bound report within the deadline from {', '.join(nodes)}"
     )
-    if attempt >= MAX_BIND_ATTEMPTS:
+    # A node lease (binding 'node') gets no second placement: its machines were deployed for it.
+    if attempt >= MAX_BIND_ATTEMPTS or row["request"]["binding"] == "node":
         await conn.execute(
             "UPDATE reservations SET bind_failures = %s WHERE id = %s", (attempt, row["id"])
         )
