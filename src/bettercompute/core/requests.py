@@ -27,11 +27,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from bettercompute.core import durations, errors
 
 #: ``wait.timeoutMs`` above this is clamped, not refused: the guide caps a wait at 30 s.
 MAX_WAIT_MS = 30_000
+#: The last millisecond of 9999-12-31: no window may end later (timestamps stop there).
+MAX_EPOCH_MS = 253_402_300_799_999
 
 # Ids and keys are printable and bounded so they are safe in logs, URLs and Kubernetes names.
 TenantId = Annotated[
@@ -98,7 +101,7 @@ class CreateInput(_Input):
     devices: list[DeviceRequest] = Field(min_length=1, max_length=16)
     gang: Gang | None = None
     duration: StrictInt | str
-    start: StrictInt | None = Field(default=None, ge=0, le=253_402_300_799_999)
+    start: StrictInt | None = Field(default=None, ge=0, le=MAX_EPOCH_MS)
     binding: Binding = "hold"
     resources: Resources | None = None
     spot: StrictBool = False
@@ -115,6 +118,14 @@ class CreateInput(_Input):
             return durations.parse_duration_ms(value)
         except durations.DurationError as e:
             raise ValueError(str(e)) from e
+
+    @model_validator(mode="after")
+    def _window_fits_the_calendar(self) -> CreateInput:
+        if self.start is not None and self.start + self.duration_ms > MAX_EPOCH_MS:
+            raise PydanticCustomError(
+                "window_too_late", "the window must end by 9999-12-31", {"field": "start"}
+            )
+        return self
 
     @model_validator(mode="after")
     def _binding_rules(self) -> CreateInput:
@@ -165,7 +176,7 @@ class CancelInput(_Input):
 class ExtendInput(_Input):
     tenantId: TenantId
     reservationId: ObjectId
-    until: StrictInt | None = Field(default=None, ge=0, le=253_402_300_799_999)
+    until: StrictInt | None = Field(default=None, ge=0, le=MAX_EPOCH_MS)
     by: StrictInt | str | None = None
     idempotencyKey: IdempotencyKey
 
@@ -202,9 +213,11 @@ def parse(model: type[M], data: Any) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
-        field = _field_path(first.get("loc", ()))
+        field = (first.get("ctx") or {}).get("field") or _field_path(first.get("loc", ()))
         if first.get("type") == "extra_forbidden":
-            raise errors.invalid_input(field, "unknown field") from None
+            # Quote a name that would otherwise be invisible (empty, or only spaces).
+            shown = field if field.strip() and field == field.strip() else repr(field)
+            raise errors.invalid_input(shown, "unknown field") from None
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         raise errors.invalid_input(field or "body", message) from None
 

@@ -18,7 +18,16 @@ from typing import Any
 
 from bettercompute.core import errors, ids, ports, requests, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store import admission, extending, queries, releasing, reports, views
+from bettercompute.store import (
+    admission,
+    extending,
+    previewing,
+    queries,
+    releasing,
+    reports,
+    stats,
+    views,
+)
 from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -26,6 +35,8 @@ log = logging.getLogger(__name__)
 #: How long a request waits for a concurrent request with the same key to finish admitting.
 SAME_KEY_WAIT_S = 35.0
 RESERVATION = "compute-reservation"
+#: Stands in for the idempotency key a preview may leave out; a preview stores nothing.
+PREVIEW_KEY = "capacity-preview"
 
 
 class ReservationService:
@@ -440,6 +451,38 @@ class ReservationService:
         if outcome.available_until_ms is not None:
             answer["availableUntil"] = outcome.available_until_ms
         return answer
+
+    # --- capacity preview ------------------------------------------------------------------
+
+    async def preview(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``capacity.preview``: whether a create would fit and where, booking nothing.
+
+        Takes the create input (``idempotencyKey`` optional: nothing is stored, so nothing is
+        keyed). The tenant pre-check, the pool's visibility and its class and binding rules are
+        create's; then the placer runs on a snapshot of the requested window. No policy
+        decision and no quota: the guide's "no booking, no decision".
+        """
+        body: Any = data
+        if isinstance(data, Mapping) and "idempotencyKey" not in data:
+            body = {**data, "idempotencyKey": PREVIEW_KEY}
+        value = requests.parse(requests.CreateInput, body)
+        self._precheck(caller, value.tenantId)
+        if value.binding == "instance":
+            raise ComputeError(
+                ErrorCode.UNSUPPORTED,
+                "binding 'instance' is not supported: VPS instances book through the capacity port",
+                {"field": "binding"},
+            )
+        return await previewing.preview(
+            self.db,
+            tenant_id=value.tenantId,
+            request=requests.normalized_request(value),
+            duration_ms=value.duration_ms,
+        )
+
+    async def counts(self) -> stats.Stats:
+        """Reservations by state and the work queue's depth, read now (for ``/metrics``)."""
+        return await stats.read(self.db)
 
     # --- node reports ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg.errors
 
-from bettercompute.core import errors
+from bettercompute.core import errors, requests
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.core.states import State
 from bettercompute.store import journal, locking
@@ -56,13 +56,14 @@ async def extend_begin(
                 state=state.value,
             )
         end: dt.datetime = row["end_at"]
-        new_end = (
-            from_ms(until_ms)
-            if until_ms is not None
-            else end + dt.timedelta(milliseconds=by_ms or 0)
-        )
-        if new_end <= end:
+        new_end_ms = until_ms if until_ms is not None else to_ms(end) + (by_ms or 0)
+        if new_end_ms <= to_ms(end):
             return AlreadyReached()
+        if new_end_ms > requests.MAX_EPOCH_MS:
+            raise errors.invalid_input(
+                "until" if until_ms is not None else "by", "the window must end by 9999-12-31"
+            )
+        new_end = from_ms(new_end_ms)
         taken = await (
             await conn.execute(
                 "INSERT INTO extend_holds (reservation_id, hold, taken_at)"

@@ -1,0 +1,103 @@
+"""The Prometheus metrics of one API application, in a registry of its own.
+
+Why a registry per app and not prometheus-client's global one: tests, the dev server and the
+benchmarks may run several apps in one process, and a global registry would refuse the second
+app's metrics (duplicate names) or mix their counts. Nothing here is a module-level singleton.
+
+What is measured:
+
+* ``bettercompute_api_operations_total{operation, outcome}``: every call of an operation, by
+  outcome: the error code when refused, else the reservation's state for ``reservations.create``
+  (``placed``, ``pending`` …), ``extended``/``not-extended`` for ``reservations.extend``,
+  ``fits``/``no-fit`` for ``capacity.preview`` and ``ok`` for the rest.
+* ``bettercompute_api_request_duration_seconds{route}``: latency of every request, by route
+  (``unmatched`` for unknown routes, so a scanner cannot blow up the label set). For create
+  this is the whole admission: draft, decision, quota and placement.
+* ``bettercompute_reservations{state}`` and ``bettercompute_work_queue_depth`` /
+  ``bettercompute_work_queue_due``: read from the database at scrape time.
+* ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
+
+This module must never read the database itself: the app hands it the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from bettercompute.core import states
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNMATCHED = "unmatched"
+
+# A create costs milliseconds; a create with ``wait`` may take up to 30 s.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        self.operations = Counter(
+            "bettercompute_api_operations",
+            "Operation calls by outcome: the error code, or the result (create: the state).",
+            ["operation", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "bettercompute_api_request_duration_seconds",
+            "Time to answer a request, by route (a create: the whole admission sequence).",
+            ["route"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.reservations = Gauge(
+            "bettercompute_reservations",
+            "Reservations by state, read from the database at scrape time.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.work_queued = Gauge(
+            "bettercompute_work_queue_depth",
+            "Reconciler wake-ups queued, read at scrape time.",
+            registry=self.registry,
+        )
+        self.work_due = Gauge(
+            "bettercompute_work_queue_due",
+            "Reconciler wake-ups already due (a growing figure: the reconciler lags).",
+            registry=self.registry,
+        )
+        self.database_up = Gauge(
+            "bettercompute_database_up",
+            "1 when the scrape-time read of the database succeeded, else 0.",
+            registry=self.registry,
+        )
+
+    def observe(self, *, route: str, operation: str | None, outcome: str, seconds: float) -> None:
+        self.latency.labels(route=route).observe(seconds)
+        if operation is not None:
+            self.operations.labels(operation=operation, outcome=outcome).inc()
+
+    def update(self, *, reservations: Mapping[str, int], queued: int, due: int) -> None:
+        # Every state is written, zeros included, so a state that empties drops to 0 instead of
+        # keeping its last count.
+        for state in states.State:
+            self.reservations.labels(state=state.value).set(reservations.get(state.value, 0))
+        self.work_queued.set(queued)
+        self.work_due.set(due)
+        self.database_up.set(1)
+
+    def database_down(self) -> None:
+        self.database_up.set(0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

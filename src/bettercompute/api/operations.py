@@ -1,0 +1,116 @@
+"""The table of API operations: path, service method, input model and answer, one row each.
+
+Why a table: the routes, the OpenAPI document and the metrics labels are all read from it, so
+an operation cannot be served without being documented, or documented under another name.
+Data only: nothing here handles a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from bettercompute.core import requests
+
+PREFIX = "/api/compute"
+
+
+@dataclass(frozen=True)
+class Operation:
+    #: The guide's name, e.g. ``reservations.create``; also the metrics label.
+    name: str
+    #: The ``ReservationService`` method that serves it.
+    method: str
+    #: The pydantic model its body is validated with (by the service).
+    model: type[BaseModel]
+    #: The component name of its answer's schema in the OpenAPI document.
+    answer: str
+    summary: str
+    #: Fields of ``model`` that this operation does not require (preview: ``idempotencyKey``).
+    optional: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return f"{PREFIX}/{self.name.replace('.', '/')}"
+
+    @property
+    def schema_name(self) -> str:
+        """The component name of its input's schema."""
+        return "PreviewInput" if self.optional else self.model.__name__
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        name="reservations.create",
+        method="create",
+        model=requests.CreateInput,
+        answer="Reservation",
+        summary="Reserve devices of a pool for a window: draft, one decision, quota, placement",
+    ),
+    Operation(
+        name="reservations.get",
+        method="get",
+        model=requests.GetInput,
+        answer="Reservation",
+        summary="Read one reservation (drafts are NOT_FOUND)",
+    ),
+    Operation(
+        name="reservations.list",
+        method="list",
+        model=requests.ListInput,
+        answer="ReservationList",
+        summary="List the caller's (scope 'mine') or the tenant's (scope 'all') reservations",
+    ),
+    Operation(
+        name="reservations.release",
+        method="release",
+        model=requests.ReleaseInput,
+        answer="Reservation",
+        summary="End a reservation now (a pending one is cancelled)",
+    ),
+    Operation(
+        name="reservations.cancel",
+        method="cancel",
+        model=requests.CancelInput,
+        answer="Reservation",
+        summary="Withdraw a reservation that has not started (pending or placed)",
+    ),
+    Operation(
+        name="reservations.extend",
+        method="extend",
+        model=requests.ExtendInput,
+        answer="ExtendResult",
+        summary="Move the end later: exactly one of 'until' or 'by', decided like a create",
+    ),
+    Operation(
+        name="reservations.renew",
+        method="renew",
+        model=requests.RenewInput,
+        answer="Reservation",
+        summary="Renew the lease of a reservation created with leaseSeconds",
+    ),
+    Operation(
+        name="capacity.preview",
+        method="preview",
+        model=requests.CreateInput,
+        answer="Preview",
+        summary="Whether a create would fit and where (no booking, no decision)",
+        optional=("idempotencyKey",),
+    ),
+)
+
+BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}
+
+
+def outcome(operation: Operation, data: Mapping[str, Any]) -> str:
+    """The metrics outcome of a successful answer (bounded: states and fixed words only)."""
+    if operation.method == "create":
+        return str(data.get("state", "ok"))
+    if operation.method == "extend":
+        return "extended" if data.get("extended") else "not-extended"
+    if operation.method == "preview":
+        return "fits" if data.get("fits") else "no-fit"
+    return "ok"

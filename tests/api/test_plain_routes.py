@@ -1,0 +1,198 @@
+"""The routes without a credential: the OpenAPI document, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from bettercompute.api import errors
+from bettercompute.core import requests
+from bettercompute.store.database import Database
+from tests.api.conftest import Api, Serve, build_world, create_body
+
+OPERATION_PATHS = {
+    "/api/compute/reservations/create": "CreateInput",
+    "/api/compute/reservations/get": "GetInput",
+    "/api/compute/reservations/list": "ListInput",
+    "/api/compute/reservations/release": "ReleaseInput",
+    "/api/compute/reservations/cancel": "CancelInput",
+    "/api/compute/reservations/extend": "ExtendInput",
+    "/api/compute/reservations/renew": "RenewInput",
+    "/api/compute/capacity/preview": "PreviewInput",
+}
+
+
+def refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return found + [r for value in node.values() for r in refs(value)]
+    if isinstance(node, list):
+        return [r for value in node for r in refs(value)]
+    return []
+
+
+def resolve(doc: dict[str, Any], ref: str) -> Any:
+    assert ref.startswith("#/"), ref
+    node: Any = doc
+    for part in ref[2:].split("/"):
+        node = node[part]
+    return node
+
+
+# --- OpenAPI -----------------------------------------------------------------------------------
+
+
+async def test_the_openapi_document_describes_every_operation(api: Api):
+    response = await api.client.get("/api/compute/openapi.json")  # no credential, no header
+    assert response.status_code == 200
+    doc = response.json()
+    assert doc["openapi"] == "3.1.0"
+    assert doc["info"]["title"] == "Better Compute"
+    assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    header = doc["components"]["parameters"]["XBetterCompute"]
+    assert (header["name"], header["in"], header["required"]) == (
+        "X-Better-Compute",
+        "header",
+        True,
+    )
+    posts = {path for path, item in doc["paths"].items() if "post" in item}
+    assert posts == set(OPERATION_PATHS)
+    for path, schema_name in OPERATION_PATHS.items():
+        post = doc["paths"][path]["post"]
+        assert post["security"] == [{"bearer": []}]
+        assert {"$ref": "#/components/parameters/XBetterCompute"} in post["parameters"]
+        body = post["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{schema_name}"}
+        ok = post["responses"]["200"]["content"]["application/json"]["schema"]
+        assert ok["required"] == ["data"]
+        for status in ("400", "401", "403", "404", "409", "413", "429", "500"):
+            error = resolve(doc, post["responses"][status]["$ref"])
+            schema = error["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/Error"}
+    # Every reference resolves.
+    for ref in refs(doc):
+        assert resolve(doc, ref) is not None
+
+
+async def test_the_request_schemas_are_the_models(api: Api):
+    doc = (await api.client.get("/api/compute/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    create = requests.CreateInput.model_json_schema(by_alias=True)
+    assert schemas["CreateInput"]["required"] == create["required"]
+    assert set(schemas["CreateInput"]["properties"]) == set(create["properties"])
+    assert schemas["CreateInput"]["additionalProperties"] is False
+    assert "class" in schemas["DeviceRequest"]["properties"]  # by alias
+    assert "idempotencyKey" not in schemas["PreviewInput"]["required"]
+    assert set(schemas["PreviewInput"]["properties"]) == set(create["properties"])
+    codes = schemas["Error"]["properties"]["error"]["properties"]["code"]["enum"]
+    assert set(codes) == set(errors.CODES)
+    assert {"Reservation", "ReservationList", "ExtendResult", "Preview"} <= set(schemas)
+
+
+# --- health and readiness ----------------------------------------------------------------------
+
+
+async def test_healthz_and_readyz(api: Api):
+    health = await api.client.get("/healthz")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    ready = await api.client.get("/readyz")
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+
+
+async def test_readyz_awaits_the_readiness_check(db: Database, serve: Serve):
+    state = {"ready": False}
+
+    async def ready() -> bool:
+        if state.get("explode"):
+            raise RuntimeError("cannot tell")
+        return state["ready"]
+
+    api = await serve(ready=ready)
+    assert (await api.client.get("/readyz")).status_code == 503
+    assert (await api.client.get("/readyz")).json() == {"status": "not ready"}
+    state["ready"] = True
+    assert (await api.client.get("/readyz")).status_code == 200
+    state["explode"] = True
+    assert (await api.client.get("/readyz")).status_code == 503
+    assert (await api.client.get("/healthz")).status_code == 200  # alive all along
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in the Prometheus text format, or None when absent."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)", line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(4))
+    return None
+
+
+async def test_metrics_count_operations_and_read_the_database(api: Api):
+    before = await api.client.get("/metrics")
+    assert before.status_code == 200
+    assert before.headers["Content-Type"].startswith("text/plain")
+    text = before.text
+    for name in (
+        "bettercompute_api_operations_total",
+        "bettercompute_api_request_duration_seconds",
+        "bettercompute_reservations",
+        "bettercompute_work_queue_depth",
+        "bettercompute_work_queue_due",
+        "bettercompute_database_up",
+    ):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    created = "bettercompute_api_operations_total"
+    assert sample(text, created, operation="reservations.create", outcome="placed") is None
+    assert sample(text, "bettercompute_reservations", state="placed") == 0
+    assert sample(text, "bettercompute_database_up") == 1
+
+    await api.ok("reservations/create", create_body())
+    await api.error(
+        "reservations/get",
+        {"tenantId": "acme", "reservationId": "rsv_x"},
+        status=404,
+        code="NOT_FOUND",
+    )
+    after = (await api.client.get("/metrics")).text
+    assert sample(after, created, operation="reservations.create", outcome="placed") == 1
+    assert sample(after, created, operation="reservations.get", outcome="NOT_FOUND") == 1
+    assert sample(after, "bettercompute_reservations", state="placed") == 1
+    assert (sample(after, "bettercompute_work_queue_depth") or 0) >= 1
+    count = sample(
+        after,
+        "bettercompute_api_request_duration_seconds_count",
+        route="/api/compute/reservations/create",
+    )
+    assert count == 1
+    await api.client.post("/no/such/route")
+    unmatched = (await api.client.get("/metrics")).text
+    assert (
+        sample(unmatched, "bettercompute_api_request_duration_seconds_count", route="unmatched")
+        == 1
+    )
+
+
+async def test_each_app_has_its_own_registry(db: Database, serve: Serve):
+    await build_world(db)
+    first, second = await serve(), await serve()
+    await first.ok("reservations/create", create_body())
+    name = "bettercompute_api_operations_total"
+    labels = {"operation": "reservations.create", "outcome": "placed"}
+    assert sample((await first.client.get("/metrics")).text, name, **labels) == 1
+    assert sample((await second.client.get("/metrics")).text, name, **labels) is None
+
+
+async def test_metrics_survive_an_unreachable_database(db: Database, serve: Serve, pg_dsn: str):
+    closed = await Database.open(pg_dsn, min_size=1, max_size=1, migrate=False)
+    await closed.close()
+    api = await serve(database=closed)
+    response = await api.client.get("/metrics")
+    assert response.status_code == 200
+    assert sample(response.text, "bettercompute_database_up") == 0
