@@ -1,0 +1,629 @@
+"""The ``better-compute`` commands: reserve, capacity --preview, reservations get/list, extend,
+renew, release, cancel and dev.
+
+Why this shape: each command only translates. Flags become the guide's JSON body (``bodies``),
+one HTTP call answers (``client``), and the answer is printed (``output``). Every failure is a
+``client.Failure`` reported in one place with its exit code: 1 when the server refused, 2 for a
+usage error, 3 when the server cannot be reached.
+
+What this module must never do: import ``store``, ``service`` or ``api``, import
+``bettercompute.dev`` outside the ``dev`` command (so ``--help`` works without it), retry a
+create with a new key, or let a traceback reach the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bettercompute.cli import bodies, client, options, output, parsing, settings, waiting
+from bettercompute.cli.settings import Output
+
+app = typer.Typer(
+    name="better-compute",
+    help=(
+        "Reserve GPUs from a pool for a time window, and follow, extend, renew, release or"
+        " cancel the reservation."
+    ),
+    epilog=(
+        "Examples:\n\n"
+        "  better-compute reserve --tenant acme --pool pool_01k… --gpus 4 --for 8h --nvlink\n"
+        "  better-compute reservations list --tenant acme\n"
+        "  better-compute dev --sim 2\n\n"
+        "Settings: --url, --token and --tenant also come from $BETTER_COMPUTE_URL,"
+        " $BETTER_COMPUTE_TOKEN and $BETTER_COMPUTE_TENANT, or from the keys url, token and"
+        " tenant of ~/.config/better-compute/config.yaml ($BETTER_COMPUTE_CONFIG)."
+        " A flag wins over the environment, which wins over the file."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+reservations_app = typer.Typer(
+    help="Read reservations: get one, or list them.",
+    epilog=(
+        "Examples:\n\n"
+        "  better-compute reservations get rsv_… --tenant acme --query binding\n"
+        "  better-compute reservations list --tenant acme --all --state active"
+    ),
+    no_args_is_help=True,
+)
+app.add_typer(reservations_app, name="reservations")
+
+#: How long past the server's own wait a create may take to answer before we call it lost.
+ANSWER_GRACE_S = 15.0
+#: The longest the server holds a create (the guide's cap on ``wait.timeoutMs``).
+SERVER_WAIT_CAP_S = 30.0
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of examples; rich help keeps single line breaks in the epilog."""
+    return "Examples:\n\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def new_key() -> str:
+    """A fresh idempotency key: a new request every run, unless ``--key`` says otherwise."""
+    return f"cli-{uuid.uuid4()}"
+
+
+# --- running a command ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _reporting(chosen: Output | None) -> Iterator[None]:
+    """Turn a ``Failure`` into ``Error CODE: message`` and its exit code; usage errors of
+    readers into typer's own usage error (exit 2) naming the option."""
+    try:
+        yield
+    except client.Failure as e:
+        output.failure(e, output=chosen or Output.TABLE)
+        raise typer.Exit(e.exit_code) from None
+    except parsing.ParseError as e:
+        raise typer.BadParameter(str(e), param_hint=f"'{e.option}'" if e.option else None) from None
+
+
+def _settings(
+    *, url: str | None, token: str | None, tenant: str | None, out: Output | None
+) -> settings.Settings:
+    return settings.resolve(url=url, token=token, tenant=tenant, output=out)
+
+
+def _client(found: settings.Settings, *, timeout_s: float = 30.0) -> client.ApiClient:
+    return client.ApiClient(url=found.url, token=found.token, timeout_s=timeout_s)
+
+
+def _print_key(key: str, *, given: bool) -> None:
+    if given:
+        output.note(f"Idempotency key: {key}")
+    else:
+        output.note(f"Idempotency key: {key} (to retry this same request safely, add --key {key})")
+
+
+# --- reserve and capacity ------------------------------------------------------------------
+
+
+def _ask(
+    *,
+    tenant: str,
+    pool: str,
+    duration: str,
+    gpus: int | None,
+    mig: str | None,
+    count: int | None,
+    slots: int | None,
+    nvlink: bool,
+    start: str | None,
+    gang: int | None,
+    cpus: int | None,
+    memory: int | None,
+    kubernetes: bool,
+) -> bodies.Ask:
+    return bodies.Ask(
+        tenant=tenant,
+        pool=pool,
+        duration=duration.strip(),
+        gpus=gpus,
+        mig=mig,
+        count=count,
+        slots=slots,
+        nvlink=nvlink,
+        start_ms=None if start is None else parsing.parse_time(start, now_ms=options.now_ms()),
+        gang=gang,
+        cpus=cpus,
+        memory_gib=memory,
+        kubernetes=kubernetes,
+    )
+
+
+@app.command(
+    help=(
+        "Reserve GPUs, MIG instances or slots of a pool for a time window.\n\n"
+        "Sends reservations.create with a new idempotency key, printed, unless --key is"
+        " given: running the same command again with that key reaches the same reservation."
+        " With --wait it follows a queued reservation until it is placed."
+    ),
+    epilog=_examples(
+        "better-compute reserve --tenant acme --pool pool_01k… --gpus 4 --for 8h --nvlink"
+        " --key train-2026-09-24",
+        "better-compute reserve --tenant acme --pool pool_01k… --gpus 2 --for 8h --cpus 32"
+        " --memory 256",
+        "better-compute reserve --tenant acme --pool pool_01k… --mig 1g.10gb --count 2"
+        " --for 90m --start +2h",
+    ),
+)
+def reserve(
+    pool: options.PoolOption,
+    duration: options.ForOption,
+    tenant: options.TenantOption = None,
+    gpus: options.GpusOption = None,
+    mig: options.MigOption = None,
+    count: options.CountOption = None,
+    slots: options.SlotsOption = None,
+    start: options.StartOption = None,
+    nvlink: options.NvlinkOption = False,
+    gang: options.GangOption = None,
+    cpus: options.CpusOption = None,
+    memory: options.MemoryOption = None,
+    kubernetes: options.KubernetesOption = False,
+    spot: Annotated[
+        bool,
+        typer.Option(
+            "--spot", help="Spot: cheaper, may be preempted.", rich_help_panel=options.OPTIONS
+        ),
+    ] = False,
+    lease: Annotated[
+        int | None,
+        typer.Option(
+            "--lease",
+            help="A renewable lease of this many seconds; renew it before it lapses.",
+            min=60,
+            max=30 * 86_400,
+            rich_help_panel=options.OPTIONS,
+        ),
+    ] = None,
+    project: Annotated[
+        str | None,
+        typer.Option("--project", help="Project id to charge.", rich_help_panel=options.OPTIONS),
+    ] = None,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            "--key",
+            help=(
+                "Idempotency key. Default: a new key on every run, printed so you can retry"
+                " the same request with it."
+            ),
+            callback=options.check_key,
+            rich_help_panel=options.OPTIONS,
+        ),
+    ] = None,
+    wait: Annotated[
+        int,
+        typer.Option(
+            "--wait",
+            help=(
+                "Seconds to wait for a queued reservation to be placed; 0 answers at once."
+                " A timeout is not an error."
+            ),
+            min=0,
+            max=86_400,
+            rich_help_panel=options.OPTIONS,
+        ),
+    ] = 20,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Reserve GPUs, MIG instances or slots of a pool for a time window."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        tenant_id = settings.require_tenant(found)
+        ask = _ask(
+            tenant=tenant_id,
+            pool=pool,
+            duration=duration,
+            gpus=gpus,
+            mig=mig,
+            count=count,
+            slots=slots,
+            nvlink=nvlink,
+            start=start,
+            gang=gang,
+            cpus=cpus,
+            memory=memory,
+            kubernetes=kubernetes,
+        )
+        chosen_key = key or new_key()
+        body = bodies.create(
+            ask, key=chosen_key, wait_s=wait, spot=spot, lease_seconds=lease, project=project
+        )
+        deadline = time.monotonic() + wait
+        server_wait = min(float(wait), SERVER_WAIT_CAP_S)
+        with _client(found, timeout_s=server_wait + ANSWER_GRACE_S) as api:
+            # Printed before sending: whatever happens next, the person can retry with it.
+            _print_key(chosen_key, given=key is not None)
+            view = api.call("reservations/create", body)
+            if wait > 0:
+                try:
+                    view = waiting.follow(api, tenant=tenant_id, view=view, deadline=deadline)
+                except client.Failure as e:
+                    e.hint = waiting.waited_line(view, tenant=tenant_id, created=True)
+                    raise
+        output.emit(view, output=found.output, table=output.reservation_table)
+        if waiting.still_running(view):
+            output.note(waiting.waited_line(view, tenant=tenant_id))
+
+
+@app.command(
+    help=(
+        "Preview whether a reservation would fit, and where, without booking anything.\n\n"
+        "Takes the same request options as reserve; a preview that fits is a create that fits."
+    ),
+    epilog=_examples(
+        "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 2 --for 8h"
+        " --cpus 32 --memory 256",
+        "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 8 --gang 2"
+        " --for 3d --start 2026-09-28T09:00:00Z",
+    ),
+)
+def capacity(
+    pool: options.PoolOption,
+    duration: options.ForOption,
+    preview: Annotated[
+        bool,
+        typer.Option(
+            "--preview", help="Preview whether the request would fit now (nothing is booked)."
+        ),
+    ] = False,
+    tenant: options.TenantOption = None,
+    gpus: options.GpusOption = None,
+    mig: options.MigOption = None,
+    count: options.CountOption = None,
+    slots: options.SlotsOption = None,
+    start: options.StartOption = None,
+    nvlink: options.NvlinkOption = False,
+    gang: options.GangOption = None,
+    cpus: options.CpusOption = None,
+    memory: options.MemoryOption = None,
+    kubernetes: options.KubernetesOption = False,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Preview whether a reservation would fit, and where, without booking anything."""
+    if not preview:
+        raise typer.BadParameter(
+            "capacity needs --preview (the only thing it does today)", param_hint="'--preview'"
+        )
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        ask = _ask(
+            tenant=settings.require_tenant(found),
+            pool=pool,
+            duration=duration,
+            gpus=gpus,
+            mig=mig,
+            count=count,
+            slots=slots,
+            nvlink=nvlink,
+            start=start,
+            gang=gang,
+            cpus=cpus,
+            memory=memory,
+            kubernetes=kubernetes,
+        )
+        body = bodies.request(ask)
+        with _client(found) as api:
+            answer = api.call("capacity/preview", body)
+        output.emit(answer, output=found.output, table=output.preview)
+
+
+# --- reservations get / list ---------------------------------------------------------------
+
+
+@reservations_app.command(
+    "get",
+    epilog=_examples(
+        "better-compute reservations get rsv_… --tenant acme",
+        "better-compute reservations get rsv_… --tenant acme --query binding",
+        "better-compute reservations get rsv_… --tenant acme --query during.end --output json",
+    ),
+)
+def reservations_get(
+    reservation_id: options.IdArgument,
+    tenant: options.TenantOption = None,
+    query: Annotated[
+        str | None,
+        typer.Option(
+            "--query",
+            help="Print only this part of the reservation: binding, during.end, conditions[0].",
+        ),
+    ] = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Show one reservation: state, devices, window, nodes, conditions and operation."""
+    with _reporting(out):
+        steps: list[str | int] | None = None
+        if query is not None:
+            try:
+                steps = parsing.parse_query(query)
+            except parsing.ParseError as e:
+                raise parsing.ParseError(str(e), option="--query") from None
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        tenant_id = settings.require_tenant(found)
+        with _client(found) as api:
+            view = api.call(
+                "reservations/get", {"tenantId": tenant_id, "reservationId": reservation_id}
+            )
+        if steps is None:
+            output.emit(view, output=found.output, table=output.reservation_table)
+            return
+        try:
+            value = parsing.lookup(view, steps)
+        except parsing.ParseError as e:
+            raise client.Failure(f"--query {query}: {e}", exit_code=client.EXIT_USAGE) from None
+        output.emit_value(value, output=found.output)
+
+
+@reservations_app.command(
+    "list",
+    epilog=_examples(
+        "better-compute reservations list --tenant acme",
+        "better-compute reservations list --tenant acme --all --state active --pool pool_01k…",
+        "better-compute reservations list --tenant acme --limit 20 --cursor rsv_…",
+    ),
+)
+def reservations_list(
+    tenant: options.TenantOption = None,
+    everyone: Annotated[
+        bool,
+        typer.Option("--all", help="The tenant's reservations, not only yours."),
+    ] = False,
+    state: Annotated[
+        str | None,
+        typer.Option("--state", help="Only this state: placed, pending, active, released, …"),
+    ] = None,
+    pool: Annotated[str | None, typer.Option("--pool", help="Only this pool.")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", help="At most this many (1 to 200; default 50).", min=1, max=200),
+    ] = None,
+    cursor: Annotated[
+        str | None,
+        typer.Option("--cursor", help="Continue after this id (the 'More:' line of a list)."),
+    ] = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """List reservations, newest first: yours by default, the tenant's with --all."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        body: dict[str, Any] = {"tenantId": settings.require_tenant(found)}
+        if everyone:
+            body["scope"] = "all"
+        if state is not None:
+            body["state"] = state
+        if pool is not None:
+            body["poolId"] = pool
+        if limit is not None:
+            body["limit"] = limit
+        if cursor is not None:
+            body["cursor"] = cursor
+        with _client(found) as api:
+            answer = api.call("reservations/list", body)
+        output.emit(answer, output=found.output, table=output.reservation_list, keep_whole=True)
+
+
+# --- extend, renew, release, cancel --------------------------------------------------------
+
+
+@app.command(
+    help=(
+        "Move a reservation's end later, decided by policy like a create.\n\n"
+        "Give exactly one of --until or --by. When another booking starts first, nothing"
+        " changes and the answer says until when the devices are free."
+    ),
+    epilog=_examples(
+        "better-compute extend rsv_… --tenant acme --until +12h",
+        "better-compute extend rsv_… --tenant acme --by 4h --key train-2026-09-24-ext-1",
+        "better-compute extend rsv_… --tenant acme --until 2026-09-25T08:00:00Z",
+    ),
+)
+def extend(
+    reservation_id: options.IdArgument,
+    tenant: options.TenantOption = None,
+    until: Annotated[
+        str | None,
+        typer.Option(
+            "--until",
+            help=(
+                "The new end: +12h (from now), an ISO 8601 time or epoch ms. Safe to retry: an"
+                " end already reached changes nothing."
+            ),
+            callback=options.check_time,
+        ),
+    ] = None,
+    by: Annotated[
+        str | None,
+        typer.Option(
+            "--by",
+            help="Move the end later by this much: 4h, 30m. Each new key extends again.",
+            callback=options.check_duration,
+        ),
+    ] = None,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            "--key",
+            help="Idempotency key. Default: a new key on every run, printed so you can retry.",
+            callback=options.check_key,
+        ),
+    ] = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Move a reservation's end later, decided by policy like a create."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        tenant_id = settings.require_tenant(found)
+        chosen_key = key or new_key()
+        body = bodies.extend(
+            tenant=tenant_id,
+            reservation_id=reservation_id,
+            key=chosen_key,
+            until_ms=None if until is None else parsing.parse_time(until, now_ms=options.now_ms()),
+            by=None if by is None else by.strip(),
+        )
+        with _client(found) as api:
+            _print_key(chosen_key, given=key is not None)
+            answer = api.call("reservations/extend", body)
+        output.emit(answer, output=found.output, table=output.extend_result)
+
+
+def _change(
+    operation: str,
+    *,
+    reservation_id: str,
+    tenant: str | None,
+    url: str | None,
+    token: str | None,
+    out: Output | None,
+) -> None:
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        body = {"tenantId": settings.require_tenant(found), "reservationId": reservation_id}
+        with _client(found) as api:
+            view = api.call(f"reservations/{operation}", body)
+        output.emit(view, output=found.output, table=output.reservation_table)
+
+
+@app.command(epilog=_examples("better-compute renew rsv_… --tenant acme"))
+def renew(
+    reservation_id: options.IdArgument,
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Renew a lease: it now runs out --lease seconds from now (only with --lease)."""
+    _change("renew", reservation_id=reservation_id, tenant=tenant, url=url, token=token, out=out)
+
+
+@app.command(epilog=_examples("better-compute release rsv_… --tenant acme"))
+def release(
+    reservation_id: options.IdArgument,
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """End a reservation now: future bookings go, quota is refunded, billing stops."""
+    _change("release", reservation_id=reservation_id, tenant=tenant, url=url, token=token, out=out)
+
+
+@app.command(epilog=_examples("better-compute cancel rsv_… --tenant acme"))
+def cancel(
+    reservation_id: options.IdArgument,
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Withdraw a reservation that has not started (pending or placed)."""
+    _change("cancel", reservation_id=reservation_id, tenant=tenant, url=url, token=token, out=out)
+
+
+# --- dev -----------------------------------------------------------------------------------
+
+
+@app.command(
+    help=(
+        "Run a complete server on this machine: embedded PostgreSQL, the API and simulated"
+        " GPU nodes.\n\n"
+        "Blocks until Ctrl-C. Point the other commands at it with --url http://127.0.0.1:PORT."
+    ),
+    epilog=_examples(
+        "better-compute dev",
+        "better-compute dev --sim 4 --port 9090",
+        "better-compute dev --state-dir ./bc-state --fresh --config dev.yaml",
+    ),
+)
+def dev(
+    port: Annotated[
+        int, typer.Option("--port", help="Port of the HTTP API.", min=1, max=65_535)
+    ] = 8080,
+    sim: Annotated[
+        int, typer.Option("--sim", help="How many simulated GPU nodes to run.", min=0, max=1024)
+    ] = 2,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="A dev config file (tenants, pools, tokens).",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--state-dir", help="Where the embedded PostgreSQL keeps its data.", file_okay=False
+        ),
+    ] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start from an empty database.")] = False,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+) -> None:
+    """Run a complete server on this machine: embedded PostgreSQL, the API and simulated nodes."""
+    with _reporting(None):
+        # Imported here, not at the top: --help and every other command must work without the
+        # dev server's dependencies (embedded PostgreSQL, the simulator).
+        try:
+            from bettercompute.dev import running
+        except ImportError as e:
+            raise client.Failure(
+                f"the dev server is not available in this installation: {e}"
+            ) from None
+        try:
+            running.run(
+                port=port, sim=sim, config=config, state_dir=state_dir, fresh=fresh, host=host
+            )
+        except KeyboardInterrupt:
+            output.note("Stopped.")
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def main() -> None:
+    """The console script: run the command, and never show a traceback to a user."""
+    try:
+        app(prog_name="better-compute")
+    except KeyboardInterrupt:
+        output.note("Interrupted.")
+        sys.exit(130)
+    except Exception as e:
+        if os.environ.get("BETTER_COMPUTE_DEBUG"):
+            raise
+        output.note(
+            f"Error: unexpected {type(e).__name__}: {e}\n"
+            "Hint: this is a bug in better-compute; run again with BETTER_COMPUTE_DEBUG=1"
+            " to see where it happened"
+        )
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

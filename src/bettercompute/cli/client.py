@@ -1,0 +1,157 @@
+"""The CLI's HTTP calls to the reservations API, and the one way a command fails.
+
+Why one module: every command sends ``POST /api/compute/<operation>`` with the same headers
+(``Authorization: Bearer``, ``X-Better-Compute: 1``) and reads the same envelope (``{"data"}`` or
+``{"error": {code, message, details}}``), and every way that can go wrong becomes a ``Failure``
+with an exit code the user can script against.
+
+Hierarchy::
+
+    Failure                 message (+ code, details, hint from the server or from us)
+      exit_code 1           the server refused (its code: NOT_FOUND, CONFLICT, ...)
+      exit_code 2           the command line or config file is wrong (nothing was sent)
+      exit_code 3           the server could not be reached or did not speak the API
+
+What this module must never do: retry a request on its own (a create is idempotent only with the
+same key, which the command owns), print anything, or let an ``httpx`` exception escape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+API_PREFIX = "/api/compute/"
+USER_AGENT = "better-compute-cli/0.1"
+
+
+class Failure(Exception):
+    """A command that could not do what was asked, with the exit code that says why."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+        exit_code: int = EXIT_REFUSED,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.details: dict[str, Any] = dict(details or {})
+        self.exit_code = exit_code
+        self.hint = hint
+
+
+class ApiClient:
+    """One server, one credential; ``call`` answers the ``data`` of the envelope."""
+
+    def __init__(self, *, url: str, token: str | None, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.has_token = bool(token)
+        try:
+            parsed = httpx.URL(self.url)
+        except httpx.InvalidURL as e:
+            raise _bad_url(url, str(e)) from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise _bad_url(url, "give an http:// or https:// address such as http://127.0.0.1:8080")
+        headers = {"X-Better-Compute": "1", "User-Agent": USER_AGENT}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._timeout_s = timeout_s
+        self._http = httpx.Client(
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0), follow_redirects=False
+        )
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, operation: str, body: dict[str, Any], *, timeout_s: float | None = None) -> Any:
+        """POST ``body`` to ``operation`` (``reservations/create``) and answer its ``data``."""
+        target = self.url + API_PREFIX + operation
+        timeout = timeout_s or self._timeout_s
+        try:
+            response = self._http.post(
+                target, json=body, timeout=httpx.Timeout(timeout, connect=5.0)
+            )
+        except httpx.TimeoutException as e:
+            if isinstance(e, httpx.ConnectTimeout):
+                raise self._unreachable("the connection timed out") from None
+            raise Failure(
+                f"the server at {self.url} did not answer within {timeout:g} s",
+                exit_code=EXIT_UNREACHABLE,
+                hint="retry the same command; a create with the same --key is safe to repeat",
+            ) from None
+        except httpx.ConnectError as e:
+            raise self._unreachable(str(e) or "connection failed") from None
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+            raise _bad_url(self.url, str(e)) from None
+        except httpx.TransportError as e:
+            raise Failure(
+                f"lost the connection to the server at {self.url}: {e or type(e).__name__}",
+                exit_code=EXIT_UNREACHABLE,
+            ) from None
+        return self._read(response)
+
+    def _read(self, response: httpx.Response) -> Any:
+        try:
+            envelope = response.json()
+        except ValueError:
+            envelope = None
+        if isinstance(envelope, dict):
+            error = envelope.get("error")
+            if isinstance(error, dict):
+                raise self._refusal(error)
+            if "data" in envelope:
+                return envelope["data"]
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise Failure(
+            f"the server at {self.url} answered HTTP {response.status_code} ({kind}),"
+            " which is not an answer of the Better Compute API",
+            exit_code=EXIT_UNREACHABLE,
+            hint="check --url (or $BETTER_COMPUTE_URL): it should be the server's base address",
+        )
+
+    def _refusal(self, error: dict[str, Any]) -> Failure:
+        code = str(error.get("code") or "ERROR")
+        details = error.get("details")
+        hint = None
+        if code == "ACCESS_DENIED" and not self.has_token:
+            hint = (
+                "no token was sent: pass --token, set $BETTER_COMPUTE_TOKEN,"
+                " or put 'token:' in the config file"
+            )
+        return Failure(
+            str(error.get("message") or "the server refused the request"),
+            code=code,
+            details=details if isinstance(details, dict) else {},
+            exit_code=EXIT_REFUSED,
+            hint=hint,
+        )
+
+    def _unreachable(self, reason: str) -> Failure:
+        return Failure(
+            f"cannot reach the Better Compute server at {self.url}: {reason}",
+            exit_code=EXIT_UNREACHABLE,
+            hint=(
+                "is it running? Start one with `better-compute dev`,"
+                " or point --url (or $BETTER_COMPUTE_URL) at it"
+            ),
+        )
+
+
+def _bad_url(url: str, reason: str) -> Failure:
+    return Failure(f"--url {url!r} is not a server address: {reason}", exit_code=EXIT_USAGE)

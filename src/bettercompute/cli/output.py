@@ -1,0 +1,322 @@
+"""What the CLI prints: tables for people, the server's data unchanged for programs.
+
+Why one module: every command answers in the format of ``--output``. ``json`` and ``yaml`` print
+the ``data`` of the server's answer exactly (so scripts see the API's own shape); ``table`` draws
+a reservation as a key/value table, a list as columns (ID, STATE, POOL, DEVICES, START, END),
+with times as ISO 8601 UTC. Errors go to stderr as ``Error CODE: message``.
+
+What this module must never do: change the data in ``json``/``yaml`` output, let text from the
+server be read as rich markup (a condition message with ``[brackets]`` is printed as written),
+or print anything but the answer on stdout (keys, hints and progress go to stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+import yaml
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+from bettercompute.cli import client, parsing
+from bettercompute.cli.settings import Output
+
+# A table piped to a file or another program is not cut to 80 columns: ids stay whole.
+_PIPE_WIDTH = 1000
+
+
+def console(*, stream: TextIO | None = None) -> Console:
+    out = stream or sys.stdout
+    width = None if out.isatty() else _PIPE_WIDTH
+    return Console(file=out, width=width, highlight=False, soft_wrap=False)
+
+
+def dumps(data: Any, output: Output) -> str:
+    """``data`` as JSON or YAML text, unchanged."""
+    if output == Output.YAML:
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def emit(
+    data: Any,
+    *,
+    output: Output,
+    table: Callable[[Any], RenderableType],
+    keep_whole: bool = False,
+) -> None:
+    """Print the answer: the server's data for json/yaml, ``table(data)`` for people.
+
+    ``keep_whole`` is for column tables: rich would otherwise fit one to a narrow terminal by
+    cutting ids to ``rsv_ab…``, which makes them useless; it is printed at its natural width
+    instead and the terminal wraps the lines.
+    """
+    if output != Output.TABLE:
+        sys.stdout.write(dumps(data, output))
+        return
+    renderable = table(data)
+    out = console()
+    if keep_whole:
+        unbounded = out.options.update_width(_PIPE_WIDTH)
+        natural = Measurement.get(out, unbounded, renderable).maximum
+        if natural > out.width:
+            out = Console(file=sys.stdout, width=natural, highlight=False, soft_wrap=False)
+    out.print(renderable)
+
+
+def emit_value(value: Any, *, output: Output) -> None:
+    """One queried value: raw text for a scalar in table mode, else JSON or YAML."""
+    if output == Output.TABLE:
+        if isinstance(value, dict | list):
+            sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+        else:
+            sys.stdout.write(_scalar(value) + "\n")
+    else:
+        sys.stdout.write(dumps(value, output))
+
+
+def note(message: str) -> None:
+    """A line for the person at the terminal that is not part of the answer."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def failure(error: client.Failure, *, output: Output) -> None:
+    """``Error CODE: message`` on stderr, then details and a hint when there are any."""
+    prefix = f"Error {error.code}" if error.code else "Error"
+    lines = [f"{prefix}: {error.message}"]
+    if error.details:
+        if output == Output.JSON:
+            lines.append(json.dumps({"details": error.details}, indent=2, ensure_ascii=False))
+        else:
+            text = dumps({"details": error.details}, Output.YAML).rstrip("\n")
+            lines.append(text)
+    if error.hint:
+        lines.append(f"Hint: {error.hint}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+# --- tables --------------------------------------------------------------------------------
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _kv_table() -> Table:
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    return table
+
+
+def describe_devices(request: Mapping[str, Any] | None) -> str:
+    """``4 × gpu (nvlink-all)``, ``2 × mig 1g.10gb``, ``8 × slot``, with the gang size."""
+    if not request:
+        return "-"
+    parts = []
+    for device in request.get("devices") or []:
+        text = f"{device.get('count', '?')} × {device.get('class', '?')}"
+        if device.get("profile"):
+            text += f" {device['profile']}"
+        if device.get("topology") and device["topology"] != "any":
+            text += f" ({device['topology']})"
+        parts.append(text)
+    described = ", ".join(parts) or "-"
+    gang = (request.get("gang") or {}).get("size")
+    if gang and gang > 1:
+        described += f", gang of {gang}"
+    return described
+
+
+def describe_window(during: Mapping[str, Any] | None) -> str:
+    if not during:
+        return "-"
+    start, end = during.get("start"), during.get("end")
+    text = f"{parsing.format_time(start)} → {parsing.format_time(end)}"
+    if isinstance(start, int) and isinstance(end, int):
+        length = end - start
+        # Milliseconds matter to no one reading a window of hours ("12h10s", not "12h9s962ms").
+        shown = length if length < 1000 else round(length / 1000) * 1000
+        text += f" ({parsing.format_duration(shown)})"
+    return text
+
+
+def _nodes(view: Mapping[str, Any]) -> str:
+    binding = view.get("binding") or {}
+    nodes = binding.get("nodeIds") or ([binding["nodeId"]] if binding.get("nodeId") else [])
+    return ", ".join(str(n) for n in nodes) or "-"
+
+
+def _host(view: Mapping[str, Any]) -> str | None:
+    resources = (view.get("request") or {}).get("resources") or view.get("hostShare") or None
+    if not resources:
+        return None
+    parts = []
+    if resources.get("vcpu"):
+        parts.append(f"{resources['vcpu']} vCPU")
+    if resources.get("memoryGiB"):
+        parts.append(f"{resources['memoryGiB']} GiB memory")
+    if resources.get("hugepages1Gi"):
+        parts.append(f"{resources['hugepages1Gi']} × 1 GiB huge pages")
+    return ", ".join(parts) or None
+
+
+def _conditions(view: Mapping[str, Any]) -> str:
+    lines = []
+    for c in view.get("conditions") or []:
+        line = str(c.get("type", "?"))
+        if c.get("reason"):
+            line += f" ({c['reason']})"
+        if c.get("message"):
+            line += f": {c['message']}"
+        lines.append(line)
+    return "\n".join(lines) or "none"
+
+
+def _operation(view: Mapping[str, Any]) -> str:
+    op = view.get("operation") or {}
+    text = str(op.get("state", "-"))
+    error = op.get("error")
+    if isinstance(error, dict):
+        text += f" ({error.get('code')}: {error.get('message')})"
+    return text
+
+
+def _binding(view: Mapping[str, Any]) -> str:
+    kind = str((view.get("request") or {}).get("binding", "hold"))
+    binding = view.get("binding") or {}
+    lines = [kind]
+    for device in binding.get("cdiDevices") or []:
+        lines.append(str(device))
+    for key in ("envFile", "cgroupParent"):
+        if binding.get(key):
+            lines.append(f"{key}: {binding[key]}")
+    return "\n".join(lines)
+
+
+def reservation_table(view: Mapping[str, Any]) -> RenderableType:
+    """One reservation as a key/value table."""
+    table = _kv_table()
+    rows: list[tuple[str, str | None]] = [
+        ("id", view.get("id")),
+        ("state", view.get("state")),
+        ("pool", view.get("poolId")),
+        ("devices", describe_devices(view.get("request"))),
+        ("host", _host(view)),
+        ("during", describe_window(view.get("during"))),
+        ("requested start", _optional_time(view.get("requestedStart"))),
+        ("lease until", _optional_time(view.get("leaseExpiresAt"))),
+        ("nodes", _nodes(view)),
+        ("binding", _binding(view)),
+        ("conditions", _conditions(view)),
+        ("operation", _operation(view)),
+        ("released because", view.get("releaseReason")),
+        ("key", view.get("idempotencyKey")),
+    ]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, Text(str(value)))
+    return table
+
+
+def _optional_time(ms: Any) -> str | None:
+    return parsing.format_time(ms) if isinstance(ms, int) else None
+
+
+def reservation_list(data: Mapping[str, Any]) -> RenderableType:
+    """``reservations.list``: columns ID, STATE, POOL, DEVICES, START, END, then the cursor."""
+    items = data.get("items") or []
+    if not items:
+        return Text("No reservations.")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("ID", "STATE", "POOL", "DEVICES", "START", "END"):
+        # Ids and times are copied and compared: they never wrap; the rest may.
+        table.add_column(column, no_wrap=column in ("ID", "STATE", "START", "END"), min_width=6)
+    for item in items:
+        during = item.get("during") or {}
+        table.add_row(
+            Text(str(item.get("id"))),
+            Text(str(item.get("state"))),
+            Text(str(item.get("poolId"))),
+            Text(describe_devices(item.get("request"))),
+            Text(parsing.format_time(during.get("start"))),
+            Text(parsing.format_time(during.get("end"))),
+        )
+    cursor = data.get("nextCursor")
+    if cursor:
+        return Group(table, Text(f"More: add --cursor {cursor}"))
+    return table
+
+
+def extend_result(data: Mapping[str, Any]) -> RenderableType:
+    """``reservations.extend``: whether it moved, then the reservation."""
+    if data.get("extended"):
+        headline = "Extended."
+    elif data.get("availableUntil") is not None:
+        headline = (
+            "Not extended: another booking starts first; available until "
+            + parsing.format_time(data["availableUntil"])
+            + "."
+        )
+    else:
+        headline = "Not extended: the reservation already reaches that time."
+    return Group(Text(headline), reservation_table(data.get("reservation") or {}))
+
+
+def preview(data: Any) -> RenderableType:
+    """``capacity.preview``: whether it fits, the window, where, and why not."""
+    if not isinstance(data, dict):
+        return Text(_scalar(data))
+    table = _kv_table()
+    fits = data.get("fits")
+    table.add_row("fits", Text("yes" if fits else "no"))
+    known = {"fits", "poolId", "during", "nodeIds", "devices", "message", "rejected"}
+    rows: list[tuple[str, str | None]] = [
+        ("pool", data.get("poolId")),
+        ("during", describe_window(data.get("during")) if data.get("during") else None),
+        ("nodes", ", ".join(str(n) for n in data.get("nodeIds") or []) or None),
+        ("devices", _preview_devices(data.get("devices"))),
+        ("message", data.get("message")),
+        ("rejected", _rejected(data.get("rejected"))),
+    ]
+    # Fields a newer server adds still show, so the table never hides part of an answer.
+    rows += [(k, _compact(v)) for k, v in data.items() if k not in known]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, Text(str(value)))
+    return table
+
+
+def _preview_devices(devices: Any) -> str | None:
+    if not isinstance(devices, list) or not devices:
+        return None
+    lines = []
+    for entry in devices:
+        if isinstance(entry, dict):
+            ids = ", ".join(str(d) for d in entry.get("deviceIds") or [])
+            lines.append(f"{entry.get('nodeId')}: {ids}")
+    return "\n".join(lines) or None
+
+
+def _rejected(rejected: Any) -> str | None:
+    if not isinstance(rejected, dict) or not rejected:
+        return None
+    return ", ".join(f"{name}: {count}" for name, count in rejected.items())
+
+
+def _compact(value: Any) -> str:
+    if not isinstance(value, dict | list):
+        return _scalar(value)
+    if isinstance(value, list) and all(not isinstance(v, dict | list) for v in value):
+        return ", ".join(_scalar(v) for v in value) or "-"
+    return yaml.safe_dump(value, sort_keys=False, allow_unicode=True).rstrip("\n")
