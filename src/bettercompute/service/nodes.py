@@ -1,0 +1,26 @@
+"""The node side of the service: what a node should hold now.
+
+Why a service of its own: a node agent (the simulator's, later the device plugin's) needs one
+read the reservation API does not offer, its node's desired allocations. It reports back
+through ``ReservationService.report``, the same call every node uses; this class never changes
+anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bettercompute.store import desired
+from bettercompute.store.database import Database
+
+
+class NodeService:
+    """Reads for node agents, over one database."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    async def desired(self, node_id: str) -> list[dict[str, Any]]:
+        """The node's allocations to bind (``desired``, ``lost``), keep (``bound``) and free
+        (``releasing``); see ``store.desired.for_node`` for the shape."""
+        return await desired.for_node(self.db, node_id=node_id)

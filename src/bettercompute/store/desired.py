@@ -1,0 +1,67 @@
+"""What a node should have now: its allocations to bind, keep and release.
+
+Why: a node agent (the simulator's, later the device plugin's) converges on desired state. It
+asks "what should node X hold?" and gets every allocation placed on X that is ``desired``
+(bind it), ``bound`` or ``lost`` (keep it, or bind it again) or ``releasing`` (free it and say
+so). Allocations still ``planned`` (their window has not started), ``failed`` or ``released``
+are none of the node's business.
+
+What it must never do: write. These are read-only queries; a node changes anything only
+through ``reports.report``, which the service calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bettercompute.store.database import Database
+
+#: Allocation states a node acts on.
+NODE_STATES = ("desired", "bound", "lost", "releasing")
+
+
+async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
+    """The allocations of ``node_id`` in ``NODE_STATES``, oldest first.
+
+    Each is ``{allocationId, reservationId, tenantId, state, binding, deviceClass, deviceIds,
+    parentGpus, until}``: ``parentGpus`` gives each device's physical GPU in ``deviceIds``
+    order (the same id for a whole GPU), ``until`` is epoch milliseconds.
+    """
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                """
+                SELECT a.id, a.reservation_id, r.tenant_id, a.state,
+                       r.request ->> 'binding' AS binding, a.device_class, a.device_ids,
+                       epoch_ms(a.until) AS until_ms,
+                       (SELECT coalesce(jsonb_object_agg(t.device_id, t.parent_gpu), '{}')
+                          FROM atoms t WHERE t.id = ANY(a.atom_ids)) AS parents
+                  FROM allocations a JOIN reservations r ON r.id = a.reservation_id
+                 WHERE a.node_id = %s AND a.state = ANY(%s)
+                 ORDER BY a.created_at, a.id
+                """,
+                (node_id, list(NODE_STATES)),
+            )
+        ).fetchall()
+    return [
+        {
+            "allocationId": row["id"],
+            "reservationId": row["reservation_id"],
+            "tenantId": row["tenant_id"],
+            "state": row["state"],
+            "binding": row["binding"],
+            "deviceClass": row["device_class"],
+            "deviceIds": list(row["device_ids"]),
+            "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],
+            "until": int(row["until_ms"]),
+        }
+        for row in rows
+    ]
+
+
+async def node_ids(db: Database) -> list[str]:
+    """Every node the database knows, so a composition root can tell which it no longer runs
+    (``dev`` marks those not ready and not connected)."""
+    async with db.connection() as conn:
+        rows = await (await conn.execute("SELECT id FROM nodes ORDER BY id")).fetchall()
+    return [str(row["id"]) for row in rows]
