@@ -146,6 +146,8 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
         "bettercompute_work_queue_depth",
         "bettercompute_work_queue_due",
         "bettercompute_database_up",
+        "bettercompute_decision_duration_seconds",
+        "bettercompute_placement_duration_seconds",
     ):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     created = "bettercompute_api_operations_total"
@@ -171,6 +173,16 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
         route="/api/compute/reservations/create",
     )
     assert count == 1
+    # The service told the app how long its decision and its placement took.
+    decided = sample(
+        after,
+        "bettercompute_decision_duration_seconds_count",
+        action="compute:reservations:create",
+        decision="allow",
+    )
+    assert decided == 1
+    placed = sample(after, "bettercompute_placement_duration_seconds_count", outcome="placed")
+    assert placed == 1
     await api.client.post("/no/such/route")
     unmatched = (await api.client.get("/metrics")).text
     assert (

@@ -107,6 +107,7 @@ def make_app(
     app[SERVICE] = service
     app[AUTHENTICATOR] = CachingAuthenticator(authenticator, ttl_seconds=30)
     app[METRICS] = metrics.Metrics()
+    service.add_observer(app[METRICS])
     app[READY] = ready or _always_ready
     app[MAX_BODY] = max_body_bytes
     app[DOCUMENT] = json.dumps(openapi.document()).encode()

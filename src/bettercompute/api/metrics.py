@@ -13,6 +13,9 @@ What is measured:
 * ``bettercompute_api_request_duration_seconds{route}``: latency of every request, by route
   (``unmatched`` for unknown routes, so a scanner cannot blow up the label set). For create
   this is the whole admission: draft, decision, quota and placement.
+* ``bettercompute_decision_duration_seconds{action, decision}``: each policy decision, and
+  ``bettercompute_placement_duration_seconds{outcome}``: each admission's transaction 2 (quota,
+  snapshot, placer, writes), told by the service (``Metrics`` is its ``AdmissionObserver``).
 * ``bettercompute_reservations{state}`` and ``bettercompute_work_queue_depth`` /
   ``bettercompute_work_queue_due``: read from the database at scrape time.
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
@@ -60,6 +63,20 @@ class Metrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self.decision_latency = Histogram(
+            "bettercompute_decision_duration_seconds",
+            "Time a policy decision took, by action and decision (allow or deny).",
+            ["action", "decision"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.placement_latency = Histogram(
+            "bettercompute_placement_duration_seconds",
+            "Time of an admission's quota, placement and writes, by outcome (placed, pending).",
+            ["outcome"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
         self.reservations = Gauge(
             "bettercompute_reservations",
             "Reservations by state, read from the database at scrape time.",
@@ -86,6 +103,14 @@ class Metrics:
         self.latency.labels(route=route).observe(seconds)
         if operation is not None:
             self.operations.labels(operation=operation, outcome=outcome).inc()
+
+    def decided(self, *, action: str, allowed: bool, seconds: float) -> None:
+        self.decision_latency.labels(
+            action=action, decision="allow" if allowed else "deny"
+        ).observe(seconds)
+
+    def placed(self, *, outcome: str, seconds: float) -> None:
+        self.placement_latency.labels(outcome=outcome).observe(seconds)
 
     def update(self, *, reservations: Mapping[str, int], queued: int, due: int) -> None:
         # Every state is written, zeros included, so a state that empties drops to 0 instead of

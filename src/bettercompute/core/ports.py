@@ -95,6 +95,14 @@ class Authenticator(Protocol):
     async def authenticate(self, token: str) -> Caller | None: ...
 
 
+class AdmissionObserver(Protocol):
+    """Told how long decisions and placements take (metrics); must never raise or block."""
+
+    def decided(self, *, action: str, allowed: bool, seconds: float) -> None: ...
+
+    def placed(self, *, outcome: str, seconds: float) -> None: ...
+
+
 @dataclass(frozen=True)
 class BudgetVerdict:
     allowed: bool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +58,20 @@ class ReservationService:
         # Concurrent creates with one key in this process wait on the first instead of polling
         # the database; the claim in the idempotency row does the same across replicas.
         self._in_flight: dict[str, asyncio.Event] = {}
+        self._observers: list[ports.AdmissionObserver] = []
+
+    def add_observer(self, observer: ports.AdmissionObserver) -> None:
+        """Report decision and placement latencies to ``observer`` too (metrics)."""
+        self._observers.append(observer)
+
+    async def _decide(self, request: ports.DecisionRequest) -> ports.Decision:
+        """Every policy decision goes through here, so each one is timed and observed."""
+        started = time.perf_counter()
+        decision = await self.policy.decide(request)
+        seconds = time.perf_counter() - started
+        for observer in self._observers:
+            observer.decided(action=request.action, allowed=decision.allowed, seconds=seconds)
+        return decision
 
     @classmethod
     async def start(
@@ -154,7 +169,7 @@ class ReservationService:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
         draft = step
-        decision = await self.policy.decide(
+        decision = await self._decide(
             ports.DecisionRequest(
                 principal=caller,
                 action=ports.CREATE,
@@ -185,7 +200,8 @@ class ReservationService:
         try:
             if draft.pool.wants_budget_check:
                 await self._check_budget(caller, tenant, draft.attributes)
-            return await admission.commit(
+            started = time.perf_counter()
+            view = await admission.commit(
                 self.db,
                 draft=draft,
                 request=request,
@@ -194,6 +210,11 @@ class ReservationService:
                 tenant_id=tenant,
                 context=context,
             )
+            # Transaction 2 as a whole: quota, snapshot, the placer and the writes.
+            seconds = time.perf_counter() - started
+            for observer in self._observers:
+                observer.placed(outcome=view["state"], seconds=seconds)
+            return view
         except ComputeError as e:
             # The draft stays: the same key is decided again on retry (quota, budget).
             await admission.abandon(
@@ -262,7 +283,7 @@ class ReservationService:
         row = await queries.authz_row(self.db, rid)
         if row is None or row["tenant_id"] != tenant_id or row["state"] == states.State.DRAFT:
             raise errors.not_found()
-        decision = await self.policy.decide(
+        decision = await self._decide(
             ports.DecisionRequest(
                 principal=caller,
                 action=action,
@@ -294,7 +315,7 @@ class ReservationService:
     async def _may(
         self, caller: ports.Caller, tenant_id: str, rid: str, row: Mapping[str, Any], action: str
     ) -> bool:
-        decision = await self.policy.decide(
+        decision = await self._decide(
             ports.DecisionRequest(
                 principal=caller,
                 action=action,
@@ -318,7 +339,7 @@ class ReservationService:
         self._precheck(caller, value.tenantId)
         if value.state is not None and value.state not in {s.value for s in states.State}:
             raise errors.invalid_input("state", f"unknown state {value.state!r}")
-        decision = await self.policy.decide(
+        decision = await self._decide(
             ports.DecisionRequest(
                 principal=caller,
                 action=ports.READ,
@@ -407,7 +428,7 @@ class ReservationService:
         if isinstance(begun, extending.AlreadyReached):
             return {"reservation": await self._view(rid), "extended": False}
         try:
-            decision = await self.policy.decide(
+            decision = await self._decide(
                 ports.DecisionRequest(
                     principal=caller,
                     action=ports.EXTEND,
