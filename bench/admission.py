@@ -100,6 +100,21 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
 
 
+def bench_database(name: str) -> tuple[EmbeddedPostgres | None, str]:
+    """``DATABASE_URL`` as it is, or a fresh database ``name`` on an embedded server (which the
+    caller stops)."""
+    dsn = os.environ.get("DATABASE_URL")
+    if dsn:
+        return None, dsn
+    server = EmbeddedPostgres(
+        Path(tempfile.mkdtemp(prefix="bc-bench-")) / "pg", delete_on_stop=True
+    )
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    return server, server.dsn.replace("/postgres?", f"/{name}?")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
@@ -107,17 +122,7 @@ async def main() -> None:
     parser.add_argument("--levels", default="1,8,32", help="concurrent callers to measure")
     args = parser.parse_args()
 
-    server = None
-    dsn = os.environ.get("DATABASE_URL")
-    if not dsn:
-        server = EmbeddedPostgres(
-            Path(tempfile.mkdtemp(prefix="bc-bench-")) / "pg", delete_on_stop=True
-        )
-        dsn = server.dsn
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("DROP DATABASE IF EXISTS bc_bench WITH (FORCE)")
-            conn.execute("CREATE DATABASE bc_bench")
-        dsn = dsn.replace("/postgres?", "/bc_bench?")
+    server, dsn = bench_database("bc_bench")
     levels = [int(x) for x in args.levels.split(",")]
     db = await Database.open(dsn, min_size=4, max_size=max(levels) + 8)
     try:

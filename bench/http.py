@@ -33,12 +33,10 @@ import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
-import psycopg  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from bettercompute.api.app import make_app  # noqa: E402
@@ -47,7 +45,6 @@ from bettercompute.iam import identities, policies  # noqa: E402
 from bettercompute.service.reservations import ReservationService  # noqa: E402
 from bettercompute.store.budgets import DatabaseBudget  # noqa: E402
 from bettercompute.store.database import Database  # noqa: E402
-from bettercompute.store.embedded import EmbeddedPostgres  # noqa: E402
 
 
 def _load_admission() -> Any:
@@ -126,17 +123,7 @@ async def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="concurrent callers")
     args = parser.parse_args()
 
-    server = None
-    dsn = os.environ.get("DATABASE_URL")
-    if not dsn:
-        server = EmbeddedPostgres(
-            Path(tempfile.mkdtemp(prefix="bc-bench-http-")) / "pg", delete_on_stop=True
-        )
-        dsn = server.dsn
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("DROP DATABASE IF EXISTS bc_bench_http WITH (FORCE)")
-            conn.execute("CREATE DATABASE bc_bench_http")
-        dsn = dsn.replace("/postgres?", "/bc_bench_http?")
+    server, dsn = admission.bench_database("bc_bench_http")
     db = await Database.open(dsn, min_size=4, max_size=args.clients + 8)
     runner: web.AppRunner | None = None
     # Spawn, not fork: the child must not inherit this process's event loop and pool.

@@ -19,10 +19,11 @@ from aiohttp import web
 
 from bettercompute.api.app import make_app
 from bettercompute.core import ports
-from bettercompute.iam import identities, policies
+from bettercompute.iam import identities
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
+from tests.support.policies import CountingPolicy
 from tests.support.world import World
 
 POOL = "pool_01kacme"
@@ -36,19 +37,6 @@ CALLERS = {
 }
 #: token -> caller; a test names the caller, ``Api.call`` sends that caller's token.
 TOKENS = {f"token-of-{name}": who for name, who in CALLERS.items()}
-
-
-class CountingPolicy:
-    """Our own boundary: a policy engine that counts create decisions and asks Cedar."""
-
-    def __init__(self, text: str = policies.DEFAULT_POLICIES) -> None:
-        self.inner = policies.CedarPolicyEngine.from_text(text)
-        self.creates = 0
-
-    async def decide(self, request: ports.DecisionRequest) -> ports.Decision:
-        if request.action == ports.CREATE:
-            self.creates += 1
-        return await self.inner.decide(request)
 
 
 def create_body(**overrides: Any) -> dict[str, Any]:

@@ -8,7 +8,8 @@ import json
 
 from bettercompute.iam import policies
 from bettercompute.store import inventory
-from tests.api.conftest import POOL, Api, CountingPolicy, Serve, build_world, create_body
+from tests.api.conftest import POOL, Api, Serve, build_world, create_body
+from tests.support.policies import CountingPolicy
 
 # The guide's curl example, byte for byte but for the placeholder pool id ("pool_01k…").
 GUIDE_BODY = (

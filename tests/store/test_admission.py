@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from bettercompute.core import ports
 from bettercompute.core.errors import ComputeError
 from bettercompute.iam import policies
 from bettercompute.service.reservations import ReservationService
@@ -15,20 +14,8 @@ from bettercompute.store import inventory
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
 from tests.conftest import caller
+from tests.support.policies import CountingPolicy
 from tests.support.world import World
-
-
-class CountingPolicy:
-    """Our own boundary: a policy engine that counts decisions and delegates to Cedar."""
-
-    def __init__(self, text: str = policies.DEFAULT_POLICIES):
-        self.inner = policies.CedarPolicyEngine.from_text(text)
-        self.creates = 0
-
-    async def decide(self, request: ports.DecisionRequest) -> ports.Decision:
-        if request.action == ports.CREATE:
-            self.creates += 1
-        return await self.inner.decide(request)
 
 
 def create_input(**overrides: Any) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller
-from tests.store.test_admission import CountingPolicy, acme, create_input
+from tests.store.test_admission import acme, create_input
+from tests.support.policies import CountingPolicy
 
 BOUNDED_EXTEND = policies.DEFAULT_POLICIES.replace(
     "when { principal.tenant == resource.tenant }",
