@@ -134,6 +134,41 @@ async def _window(row: Row, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]
     return start, start + row["duration"]
 
 
+async def _place(
+    conn: Conn,
+    row: Row,
+    *,
+    start: dt.datetime,
+    end: dt.datetime,
+    now: dt.datetime,
+    lease: dt.datetime | None = None,
+    event: str = "reservation.placed",
+) -> placement.Outcome:
+    """Place the reservation on [start, end) and, when it fits, mark it placed; the caller
+    decides what a no-fit means (still pending, repair failed, re-placement failed)."""
+    outcome = await placing.place(
+        conn,
+        reservation_id=row["id"],
+        pool_id=row["pool_id"],
+        request=row["request"],
+        start=start,
+        end=end,
+    )
+    if isinstance(outcome, placement.Placed):
+        await admission.mark_placed(
+            conn,
+            reservation_id=row["id"],
+            pool_id=row["pool_id"],
+            outcome=outcome,
+            start=start,
+            end=end,
+            lease=lease,
+            now=now,
+            event=event,
+        )
+    return outcome
+
+
 async def _retry_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
     pool = await _pool(conn, row)
     if pool is None or not pool.visible_to(row["tenant_id"]):
@@ -157,26 +192,9 @@ async def _retry_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
         )
         return
     start, end = await _window(row, now)
-    outcome = await placing.place(
-        conn,
-        reservation_id=row["id"],
-        pool_id=row["pool_id"],
-        request=row["request"],
-        start=start,
-        end=end,
-    )
+    lease = now + dt.timedelta(seconds=row["lease_seconds"]) if row["lease_seconds"] else None
+    outcome = await _place(conn, row, start=start, end=end, now=now, lease=lease)
     if isinstance(outcome, placement.Placed):
-        lease = now + dt.timedelta(seconds=row["lease_seconds"]) if row["lease_seconds"] else None
-        await admission.mark_placed(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            outcome=outcome,
-            start=start,
-            end=end,
-            lease=lease,
-            now=now,
-        )
         return
     current = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
     if current is not None and current.get("reason") == Reason.BOOKING_REPAIR_FAILED:
@@ -219,27 +237,10 @@ async def _placed(conn: Conn, row: Row, now: dt.datetime) -> None:
     if not await _booking_is_sound(conn, row["id"]):
         # Repair before the start: book the same window elsewhere, or wait pending.
         await placing.unbook(conn, reservation_id=row["id"])
-        outcome = await placing.place(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            request=row["request"],
-            start=max(start, now),
-            end=end,
+        outcome = await _place(
+            conn, row, start=max(start, now), end=end, now=now, event="reservation.repaired"
         )
-        if isinstance(outcome, placement.Placed):
-            await admission.mark_placed(
-                conn,
-                reservation_id=row["id"],
-                pool_id=row["pool_id"],
-                outcome=outcome,
-                start=max(start, now),
-                end=end,
-                lease=None,
-                now=now,
-                event="reservation.repaired",
-            )
-        else:
+        if isinstance(outcome, placement.NoFit):
             await admission.mark_pending(
                 conn,
                 reservation_id=row["id"],
@@ -319,27 +320,8 @@ async def _binding(conn: Conn, row: Row, now: dt.datetime) -> None:
         "UPDATE reservations SET bind_failures = %s, bind_deadline = NULL WHERE id = %s",
         (attempt, row["id"]),
     )
-    end = row["end_at"]
-    outcome = await placing.place(
-        conn,
-        reservation_id=row["id"],
-        pool_id=row["pool_id"],
-        request=row["request"],
-        start=now,
-        end=end,
-    )
-    if isinstance(outcome, placement.Placed):
-        await admission.mark_placed(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            outcome=outcome,
-            start=now,
-            end=end,
-            lease=None,
-            now=now,
-        )
-    else:
+    outcome = await _place(conn, row, start=now, end=row["end_at"], now=now)
+    if isinstance(outcome, placement.NoFit):
         await admission.mark_pending(
             conn,
             reservation_id=row["id"],
