@@ -1165,3 +1165,28 @@ async def test_node_lease_books_whole_nodes_and_gets_no_second_placement(
     assert failed["state"] == "failed"
     assert condition(failed, "BindTimeout")["reason"] == "NodeDidNotBind"
     assert await quota_used(db) == 0
+
+
+async def test_a_pending_start_that_has_passed_gets_the_full_duration_from_placement(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db, nodes=1, gpus=8, domains=1)
+    blocker = await create(service, "blocker", count=8, duration="3h")
+    start = await now_ms(db) + HOUR_MS
+    waiting = await create(service, "waiting", count=8, duration="2h", start=start)
+    assert waiting["state"] == "pending"
+    # Still ahead: a retry keeps the requested start (nothing fits yet, so it waits).
+    await advance(db, 30 * 60)
+    await run(db)
+    assert (await get(service, waiting["id"]))["state"] == "pending"
+    # The requested start passes while the blocker still holds the devices; once they are
+    # released, the window begins at placement and lasts the full two hours.
+    await advance(db, 60 * 60)
+    await service.release(caller(), {"tenantId": "acme", "reservationId": blocker["id"]})
+    await run(db)
+    placed = await get(service, waiting["id"])
+    assert placed["state"] in ("placed", "binding")
+    placed_at = await now_ms(db)
+    assert placed["during"]["start"] >= start + 30 * 60 * 1000
+    assert placed["during"]["start"] <= placed_at
+    assert placed["during"]["end"] - placed["during"]["start"] == 2 * HOUR_MS
