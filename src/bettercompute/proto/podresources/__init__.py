@@ -1,0 +1,1 @@
+"""Kubelet PodResources API: our wire-compatible protos (see ``bettercompute.proto``)."""

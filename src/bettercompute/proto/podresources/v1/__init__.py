@@ -1,0 +1,1 @@
+"""PodResources API v1: ``api.proto`` and its generated modules; never hand-edit those."""
