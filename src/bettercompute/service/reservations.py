@@ -283,23 +283,7 @@ class ReservationService:
         row = await queries.authz_row(self.db, rid)
         if row is None or row["tenant_id"] != tenant_id or row["state"] == states.State.DRAFT:
             raise errors.not_found()
-        decision = await self._decide(
-            ports.DecisionRequest(
-                principal=caller,
-                action=action,
-                resource_type=RESERVATION,
-                resource_id=rid,
-                tenant_id=tenant_id,
-                owner_identity_id=row["owner_identity_id"],
-                attributes=row["attributes"],
-                pool=ports.PoolRelation(
-                    pool_id=row["pool_id"],
-                    owner_tenant_id=row["owner_tenant_id"],
-                    region=row["region"],
-                    gpu_model=row["gpu_model"] or "other",
-                ),
-            )
-        )
+        decision = await self._decide(_on_reservation(caller, action, tenant_id, rid, row))
         if not decision.allowed:
             if action == ports.READ:
                 raise errors.not_found()
@@ -315,17 +299,7 @@ class ReservationService:
     async def _may(
         self, caller: ports.Caller, tenant_id: str, rid: str, row: Mapping[str, Any], action: str
     ) -> bool:
-        decision = await self._decide(
-            ports.DecisionRequest(
-                principal=caller,
-                action=action,
-                resource_type=RESERVATION,
-                resource_id=rid,
-                tenant_id=tenant_id,
-                owner_identity_id=row["owner_identity_id"],
-                attributes=row["attributes"],
-            )
-        )
+        decision = await self._decide(_on_reservation(caller, action, tenant_id, rid, row))
         return decision.allowed
 
     async def get(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -429,20 +403,8 @@ class ReservationService:
             return {"reservation": await self._view(rid), "extended": False}
         try:
             decision = await self._decide(
-                ports.DecisionRequest(
-                    principal=caller,
-                    action=ports.EXTEND,
-                    resource_type=RESERVATION,
-                    resource_id=rid,
-                    tenant_id=value.tenantId,
-                    owner_identity_id=row["owner_identity_id"],
-                    attributes=begun.attributes,
-                    pool=ports.PoolRelation(
-                        pool_id=row["pool_id"],
-                        owner_tenant_id=row["owner_tenant_id"],
-                        region=row["region"],
-                        gpu_model=row["gpu_model"] or "other",
-                    ),
+                _on_reservation(
+                    caller, ports.EXTEND, value.tenantId, rid, row, attributes=begun.attributes
                 )
             )
             if not decision.allowed:
@@ -527,4 +489,32 @@ def _relation(pool: Any) -> ports.PoolRelation:
         owner_tenant_id=pool.owner_tenant_id,
         region=pool.region,
         gpu_model=pool.gpu_model or "other",
+    )
+
+
+def _on_reservation(
+    caller: ports.Caller,
+    action: str,
+    tenant_id: str,
+    rid: str,
+    row: Mapping[str, Any],
+    *,
+    attributes: Mapping[str, Any] | None = None,
+) -> ports.DecisionRequest:
+    """The decision request on a stored reservation, from its authorization row: the same
+    attributes and pool relation for every action (``attributes`` overrides for an extend)."""
+    return ports.DecisionRequest(
+        principal=caller,
+        action=action,
+        resource_type=RESERVATION,
+        resource_id=rid,
+        tenant_id=tenant_id,
+        owner_identity_id=row["owner_identity_id"],
+        attributes=row["attributes"] if attributes is None else attributes,
+        pool=ports.PoolRelation(
+            pool_id=row["pool_id"],
+            owner_tenant_id=row["owner_tenant_id"],
+            region=row["region"],
+            gpu_model=row["gpu_model"] or "other",
+        ),
     )
