@@ -13,7 +13,7 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
 
-pytest_plugins = ["tests.support.database"]
+pytest_plugins = ["tests.support.database", "tests.support.kubeserver"]
 
 ROOT = "root"
 

@@ -24,3 +24,11 @@ class NodeService:
         """The node's allocations to bind (``desired``, ``lost``), keep (``bound``) and free
         (``releasing``); see ``store.desired.for_node`` for the shape."""
         return await desired.for_node(self.db, node_id=node_id)
+
+    async def nodes_of(self, reservation_id: str) -> list[str]:
+        """The nodes ``reservation_id`` has allocations on."""
+        return await desired.nodes_of(self.db, reservation_id=reservation_id)
+
+    async def node_ids(self) -> list[str]:
+        """Every node the database knows."""
+        return await desired.node_ids(self.db)

@@ -463,6 +463,15 @@ class ReservationService:
             duration_ms=value.duration_ms,
         )
 
+    async def snapshot(self, reservation_id: str) -> dict[str, Any] | None:
+        """The stored reservation as the guide's object, unauthorized: for a trusted door that
+        projects it (the operator writing ``status``), never for a caller's request. ``None``
+        for a draft or an unknown id."""
+        view = await views.get(self.db, reservation_id)
+        if view is None or view["state"] == states.State.DRAFT.value:
+            return None
+        return view
+
     async def counts(self) -> stats.Stats:
         """Reservations by state and the work queue's depth, read now (for ``/metrics``)."""
         return await stats.read(self.db)

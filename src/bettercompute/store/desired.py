@@ -65,3 +65,16 @@ async def node_ids(db: Database) -> list[str]:
     async with db.connection() as conn:
         rows = await (await conn.execute("SELECT id FROM nodes ORDER BY id")).fetchall()
     return [str(row["id"]) for row in rows]
+
+
+async def nodes_of(db: Database, *, reservation_id: str) -> list[str]:
+    """The nodes a reservation has allocations on, in any state."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT DISTINCT node_id FROM allocations WHERE reservation_id = %s"
+                " ORDER BY node_id",
+                (reservation_id,),
+            )
+        ).fetchall()
+    return [str(row["node_id"]) for row in rows]

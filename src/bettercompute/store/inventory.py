@@ -7,36 +7,13 @@ Inventory changes that can free or break capacity wake the reservations that car
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
+from bettercompute.core.inventories import AtomSpec as AtomSpec
+from bettercompute.core.inventories import NodeSpec as NodeSpec
 from bettercompute.store import journal
 from bettercompute.store.database import Database, jsonb
-
-
-@dataclass(frozen=True)
-class AtomSpec:
-    device_id: str
-    kind: str = "gpu"
-    parent_gpu: str | None = None
-    profile: str | None = None
-    numa_node: int | None = None
-    nvlink_domain: str | None = None
-    healthy: bool = True
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    id: str
-    name: str
-    pool_id: str | None
-    atoms: Sequence[AtomSpec]
-    #: key -> (value, source) with source ``system`` or ``operator``
-    labels: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    ready: bool = True
-    connected: bool = True
-    resources: Mapping[str, Any] = field(default_factory=dict)
 
 
 async def upsert_tenant(
@@ -47,6 +24,15 @@ async def upsert_tenant(
             "INSERT INTO tenants (id, name, is_root) VALUES (%s, %s, %s)"
             " ON CONFLICT (id) DO UPDATE SET name = excluded.name, is_root = excluded.is_root",
             (tenant_id, name, root),
+        )
+
+
+async def ensure_tenant(db: Database, *, tenant_id: str) -> None:
+    """The tenant exists, named by its id unless it already has a name; never demotes a root."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO tenants (id, name) VALUES (%s, %s) ON CONFLICT (id) DO NOTHING",
+            (tenant_id, tenant_id),
         )
 
 
@@ -109,6 +95,34 @@ async def set_offer(
                 "DELETE FROM offers WHERE pool_id = %s AND tenant_id = %s", (pool_id, tenant_id)
             )
             await journal.wake_pending(conn, pool_id=pool_id)
+
+
+async def replace_offers(db: Database, *, pool_id: str, offers: Mapping[str, str | None]) -> None:
+    """The pool is offered to exactly these tenants (tenant → ``onBudgetExceeded``); a tenant
+    no longer offered loses it at once, and the pool's pending reservations are woken to see."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "DELETE FROM offers WHERE pool_id = %s AND NOT (tenant_id = ANY(%s))",
+            (pool_id, list(offers)),
+        )
+        for tenant_id, on_budget_exceeded in offers.items():
+            await conn.execute(
+                "INSERT INTO offers (pool_id, tenant_id, on_budget_exceeded) VALUES (%s, %s, %s)"
+                " ON CONFLICT (pool_id, tenant_id) DO UPDATE"
+                " SET on_budget_exceeded = excluded.on_budget_exceeded",
+                (pool_id, tenant_id, on_budget_exceeded),
+            )
+        await journal.wake_pending(conn, pool_id=pool_id)
+
+
+async def archive_pool(db: Database, *, pool_id: str) -> None:
+    """The pool takes no new work; its pending reservations fail with ``PoolGone``."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE pools SET archived = true, updated_at = compute_now() WHERE id = %s",
+            (pool_id,),
+        )
+        await journal.wake_pending(conn, pool_id=pool_id)
 
 
 async def set_quota(db: Database, *, tenant_id: str, resource: str, limit: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import psycopg
 
@@ -29,6 +30,26 @@ async def wake_on(dsn: str, channel: str, wake: asyncio.Event) -> None:
                 )
                 async for _ in conn.notifies():
                     wake.set()
+        except psycopg.OperationalError as e:
+            log.warning("lost the %s notification connection, reconnecting: %s", channel, e)
+            await asyncio.sleep(1)
+
+
+async def payloads(dsn: str, channel: str, deliver: Callable[[str], None]) -> None:
+    """Hand every notification's payload on ``channel`` to ``deliver``, until cancelled.
+
+    ``deliver`` must not block (it is called on the listening connection's loop); after a lost
+    connection nothing is replayed, so callers treat payloads as hints and resync on start.
+    """
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            async with conn:
+                await conn.execute(
+                    psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel))
+                )
+                async for note in conn.notifies():
+                    deliver(note.payload)
         except psycopg.OperationalError as e:
             log.warning("lost the %s notification connection, reconnecting: %s", channel, e)
             await asyncio.sleep(1)

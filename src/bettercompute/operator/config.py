@@ -1,0 +1,47 @@
+"""The operator's settings: where its database, API server, HTTP API and webhooks are.
+
+Read from the command line with environment fallbacks (``better-compute-operator --help``
+lists both), so the Helm chart sets environment variables and a person sets flags. Validated
+once, at start, into one frozen value; nothing else in the operator reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    #: ``postgresql://…``; required outside tests.
+    database_url: str
+    #: Where DeviceAllocations live (the operator's own namespace).
+    namespace: str = "better-compute"
+    #: The platform team's tenant: its members pass every tenant pre-check.
+    root_tenant: str = "root"
+    #: Cedar policy files added after the built-in policies (``--policies``).
+    policy_files: tuple[Path, ...] = ()
+    #: Leave out the built-in "members manage their own tenant's reservations" policies.
+    no_default_policies: bool = False
+    #: The HTTP API (reservations, /metrics, /healthz, /readyz); port 0 picks a free one.
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080
+    #: kopf's admission webhook server; ``webhook_port`` None turns webhooks off.
+    webhook_host: str = "0.0.0.0"
+    webhook_port: int | None = 9443
+    #: TLS for the webhook server (the chart mounts them); without both it serves plain HTTP,
+    #: which only a test or a TLS-terminating proxy should see.
+    webhook_cert: Path | None = None
+    webhook_key: Path | None = None
+    #: kopf peering between replicas; ``standalone`` runs without it.
+    peering_name: str = "better-compute"
+    priority: int = 0
+    standalone: bool = False
+    #: An explicit API server and token (tests, a proxy); else the pod's service account,
+    #: else ``$KUBECONFIG``.
+    api_server: str | None = None
+    api_token: str | None = None
+    #: Groups naming a caller's tenant in TokenReview answers.
+    tenant_group_prefix: str = "bcd.dev:tenant:"
+    #: How often every node's DeviceAllocations are compared in full with the store.
+    allocation_resync_s: float = 60.0

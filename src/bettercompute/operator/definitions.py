@@ -1,0 +1,304 @@
+"""Custom resources turned into what the service takes, and the service's answers into objects.
+
+- a Reservation's ``spec`` and stamps → the core's create request and the caller;
+- a ``GPUPool`` → a ``PoolDefinition``; a ``GPUNode`` and the pool selecting it → a ``NodeSpec``
+  (whole GPUs, MIG instances or ``replicas`` slots per GPU, by the pool's sharing mode);
+- a node's desired allocation → a ``DeviceAllocation`` manifest.
+
+Why pure functions: these rules are the contract of ``docs/kubernetes.md``, tested table by
+table without a cluster. Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bettercompute.core import errors, pools, ports
+from bettercompute.core.inventories import AtomSpec, NodeSpec
+from bettercompute.operator import resources
+from bettercompute.service.clusters import PoolDefinition, Quota
+
+SLOT_SHARING = ("timeslice", "mps")
+
+
+# --- Reservations -------------------------------------------------------------------------------
+
+
+def create_request(spec: Mapping[str, Any], *, tenant_id: str, uid: str) -> dict[str, Any]:
+    """The core's create request: ``spec`` without the fields that change later, in the
+    namespace's tenant, keyed by ``spec.idempotencyKey`` or else the object's uid."""
+    request = {k: v for k, v in spec.items() if k not in resources.NOT_THE_REQUEST}
+    request["tenantId"] = tenant_id
+    request["idempotencyKey"] = spec.get("idempotencyKey") or uid
+    return request
+
+
+def caller(annotations: Mapping[str, str], *, tenant_id: str) -> ports.Caller:
+    """The stamped requester, as a caller of ``tenant_id``; INVALID_INPUT when unstamped."""
+    identity = annotations.get(resources.REQUESTED_BY)
+    if not identity:
+        raise errors.invalid_input(
+            f"metadata.annotations[{resources.REQUESTED_BY}]",
+            "missing: the object was not stamped by the admission webhook (is it installed?)",
+        )
+    return ports.Caller(
+        identity_id=identity,
+        tenant_id=tenant_id,
+        kind="user",
+        groups=tuple(groups(annotations.get(resources.REQUESTED_BY_GROUPS))),
+    )
+
+
+def groups(text: str | None) -> list[str]:
+    """The stamped groups (a JSON list of strings); anything else reads as none."""
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    return [g for g in value if isinstance(g, str)] if isinstance(value, list) else []
+
+
+def tenant_of(namespace: str, labels: Mapping[str, str] | None) -> str:
+    tenant = (labels or {}).get(resources.TENANT_LABEL)
+    if not tenant:
+        raise errors.invalid_input(
+            "metadata.namespace",
+            f"namespace {namespace!r} has no {resources.TENANT_LABEL} label naming its tenant",
+        )
+    return tenant
+
+
+# --- GPUPools ----------------------------------------------------------------------------------
+
+
+def pool_definition(name: str, spec: Mapping[str, Any]) -> PoolDefinition:
+    """A ``GPUPool`` as the service takes it; INVALID_INPUT naming the field otherwise."""
+    owner = spec.get("owner") or {}
+    if not owner.get("tenant"):
+        raise errors.invalid_input("spec.owner.tenant", "required: the tenant that owns the pool")
+    if not spec.get("region"):
+        raise errors.invalid_input("spec.region", "required")
+    sharing = spec.get("sharing") or {}
+    quotas = [
+        Quota(tenant_id=owner["tenant"], resource=r, limit=int(n))
+        for r, n in (owner.get("quotas") or {}).items()
+    ]
+    offers: dict[str, str | None] = {}
+    for i, offer in enumerate(spec.get("offers") or ()):
+        tenant = offer.get("tenant")
+        if not tenant:
+            raise errors.invalid_input(f"spec.offers[{i}].tenant", "required")
+        offers[tenant] = offer.get("onBudgetExceeded")
+        quotas.extend(
+            Quota(tenant_id=tenant, resource=r, limit=int(n))
+            for r, n in (offer.get("quotas") or {}).items()
+        )
+    return PoolDefinition(
+        pool_id=name,
+        owner_tenant_id=owner["tenant"],
+        region=spec["region"],
+        gpu_model=spec.get("model"),
+        sharing_mode=sharing.get("mode") or "exclusive",
+        replicas=int(sharing.get("replicas") or 1),
+        policy=dict(spec.get("policy") or {}),
+        archived=bool(spec.get("archived")),
+        name=name,
+        offers=offers,
+        quotas=quotas,
+    )
+
+
+def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """Kubernetes LabelSelector semantics; an empty or missing selector selects nothing
+    (a pool must say which nodes it takes)."""
+    if not selector or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+        return False
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expression in selector.get("matchExpressions") or ():
+        key, op = expression.get("key"), expression.get("operator")
+        values = set(expression.get("values") or ())
+        present = key in labels
+        if op == "In" and not (present and labels[key] in values):
+            return False
+        if op == "NotIn" and present and labels[key] in values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+    return True
+
+
+def pool_for(labels: Mapping[str, str], pools_: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first pool (by name) whose selector takes a node with these labels."""
+    for name in sorted(pools_):
+        if selects(pools_[name].get("nodeSelector"), labels):
+            return name
+    return None
+
+
+# --- GPUNodes ----------------------------------------------------------------------------------
+
+
+def node_spec(
+    name: str,
+    *,
+    labels: Mapping[str, str],
+    status: Mapping[str, Any],
+    pool: PoolDefinition | None,
+) -> NodeSpec:
+    """The node's bookable atoms for the pool that takes it (none without a pool)."""
+    inventory = status.get("inventory") or {}
+    atoms: list[AtomSpec] = []
+    if pool is not None:
+        atoms = _atoms(inventory.get("gpus") or (), name=name, pool=pool)
+    node_labels = {key: (value, "operator") for key, value in labels.items()}
+    for capability in status.get("capabilities") or ():
+        label = _CAPABILITY_LABELS.get(capability)
+        if label is not None:
+            node_labels[label] = ("true", "system")
+    return NodeSpec(
+        id=name,
+        name=name,
+        pool_id=pool.pool_id if pool is not None else None,
+        atoms=atoms,
+        labels=node_labels,
+        ready=_ready(status),
+        connected=_ready(status),
+        resources={k: v for k, v in (inventory.get("host") or {}).items() if v is not None},
+    )
+
+
+_CAPABILITY_LABELS = {
+    "binding.kubernetes": pools.CAP_BINDING_KUBERNETES,
+    "devices.limits": pools.CAP_DEVICES_LIMITS,
+}
+
+
+def _ready(status: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+
+
+def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition) -> list[AtomSpec]:
+    atoms: list[AtomSpec] = []
+    for gpu in gpus:
+        uuid = str(gpu["uuid"])
+        healthy = bool(gpu.get("healthy", True))
+        numa = gpu.get("numaNode")
+        domain = gpu.get("nvlinkDomain")
+        if pool.sharing_mode == "mig":
+            atoms.extend(
+                AtomSpec(
+                    device_id=str(m["uuid"]),
+                    kind="mig",
+                    parent_gpu=uuid,
+                    profile=m.get("profile"),
+                    numa_node=numa,
+                    nvlink_domain=domain,
+                    healthy=healthy and bool(m.get("healthy", True)),
+                )
+                for m in gpu.get("mig") or ()
+            )
+        elif pool.sharing_mode in SLOT_SHARING:
+            atoms.extend(
+                AtomSpec(
+                    device_id=f"{uuid}::{k}",
+                    kind="slot",
+                    parent_gpu=uuid,
+                    numa_node=numa,
+                    nvlink_domain=domain,
+                    healthy=healthy,
+                )
+                for k in range(pool.replicas)
+            )
+        else:
+            atoms.append(
+                AtomSpec(
+                    device_id=uuid,
+                    kind="gpu",
+                    parent_gpu=uuid,
+                    numa_node=numa,
+                    nvlink_domain=domain,
+                    healthy=healthy,
+                )
+            )
+    return atoms
+
+
+# --- DeviceAllocations -------------------------------------------------------------------------
+
+
+def allocation_name(allocation_id: str) -> str:
+    """A DNS-1123 name for an allocation id: ``alloc_01K…`` → ``alloc-01k…``."""
+    return allocation_id.replace("_", "-").lower()
+
+
+def allocation_manifest(item: Mapping[str, Any], *, node: str, namespace: str) -> dict[str, Any]:
+    """The ``DeviceAllocation`` for one of a node's desired allocations."""
+    return {
+        "apiVersion": resources.API_VERSION,
+        "kind": "DeviceAllocation",
+        "metadata": {
+            "name": allocation_name(item["allocationId"]),
+            "namespace": namespace,
+            "labels": {
+                resources.NODE_LABEL: node,
+                resources.RESERVATION_LABEL: item["reservationId"],
+            },
+        },
+        "spec": allocation_spec(item, node=node),
+    }
+
+
+def allocation_spec(item: Mapping[str, Any], *, node: str) -> dict[str, Any]:
+    return {
+        "allocationId": item["allocationId"],
+        "nodeName": node,
+        "reservationId": item["reservationId"],
+        "tenantId": item["tenantId"],
+        "class": item["deviceClass"],
+        "binding": item["binding"] or "hold",
+        "deviceIds": list(item["deviceIds"]),
+        "parentGpus": list(item["parentGpus"]),
+        "until": int(item["until"]),
+        "release": item["state"] == "releasing",
+    }
+
+
+#: A DeviceAllocation's ``status.phase`` → the core's report kind.
+REPORT_KINDS = {
+    "Bound": "bound",
+    "Failed": "failed",
+    "Releasing": "releasing",
+    "Released": "released",
+}
+
+
+def report(status: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(kind, details) of a node's report in a DeviceAllocation's status; ``None`` if none."""
+    kind = REPORT_KINDS.get(str(status.get("phase") or ""))
+    if kind is None:
+        return None
+    details: dict[str, Any] = {}
+    if kind == "bound":
+        details["cdiDevices"] = list(status.get("cdiDevices") or ())
+        if status.get("envFile"):
+            details["envFile"] = status["envFile"]
+    if kind == "failed":
+        details["reason"] = str(status.get("reason") or "the node did not say why")
+    if kind == "releasing":
+        details["pods"] = list(status.get("pods") or ())
+        if status.get("since") is not None:
+            details["since"] = status["since"]
+    if status.get("signature"):
+        details["signature"] = dict(status["signature"])
+    return kind, details

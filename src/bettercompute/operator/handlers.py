@@ -1,0 +1,257 @@
+"""The kopf handlers: a few lines each around the operator's doors and syncs.
+
+``make_registry`` builds a fresh ``kopf.OperatorRegistry`` holding every handler, so each
+operator (two in the peering test, one per test elsewhere) has its own and nothing is
+registered at import time. Handlers find their services in ``memo.runtime``.
+
+Retry semantics live here and only here: a door answers "try again in N seconds" and the
+handler turns it into ``kopf.TemporaryError``; an unexpected exception is left to kopf's
+own backoff.
+
+What it must never do: hold logic. Parsing, deciding and projecting live in the modules the
+handlers call, which are tested without kopf.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from bettercompute.core.errors import ComputeError
+from bettercompute.operator import definitions, resources, webhooks
+from bettercompute.operator.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+RESERVATIONS = (resources.GROUP, resources.VERSION, "reservations")
+GPUPOOLS = (resources.GROUP, resources.VERSION, "gpupools")
+GPUNODES = (resources.GROUP, resources.VERSION, "gpunodes")
+DEVICE_ALLOCATIONS = (resources.GROUP, resources.VERSION, "deviceallocations")
+
+
+def _runtime(memo: Any) -> Runtime:
+    runtime: Runtime = memo["runtime"]
+    return runtime
+
+
+def _first(index: Any, key: str) -> Any:
+    """The one value an index holds under ``key`` (kopf indexes keep a collection)."""
+    for value in index.get(key, ()):
+        return value
+    return None
+
+
+def _retry(delay: float | None) -> None:
+    if delay is not None:
+        raise kopf.TemporaryError("the core asked to try again later", delay=delay)
+
+
+def make_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+        return _runtime(memo).connection
+
+    # --- indexes: what handlers need to know about other objects ----------------------------
+
+    @kopf.index("", "v1", "namespaces", id="namespace_labels", registry=registry)
+    def namespace_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+        return {name: dict(labels)}
+
+    @kopf.index(*GPUPOOLS, id="pool_specs", registry=registry)
+    def pool_specs(name: str, spec: kopf.Spec, **_: Any) -> dict[str, Any]:
+        return {name: dict(spec)}
+
+    @kopf.index(*GPUNODES, id="node_bodies", registry=registry)
+    def node_bodies(
+        name: str, labels: Mapping[str, str], status: kopf.Status, **_: Any
+    ) -> dict[str, Any]:
+        return {name: {"labels": dict(labels), "status": dict(status)}}
+
+    # --- Reservations ----------------------------------------------------------------------------
+
+    @kopf.on.event(*RESERVATIONS, registry=registry)
+    async def reservation_seen(type: str, body: kopf.Body, memo: Any, **_: Any) -> None:
+        runtime = _runtime(memo)
+        if type == "DELETED":
+            runtime.objects.forget(body)
+        else:
+            await runtime.projector.remember(body)
+
+    @kopf.on.resume(*RESERVATIONS, registry=registry)
+    @kopf.on.create(*RESERVATIONS, registry=registry)
+    async def reservation_admitted(
+        body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
+    ) -> None:
+        labels = _first(kwargs["namespace_labels"], namespace or "")
+        _retry(await _runtime(memo).door.admit(body, tenant_labels=labels))
+
+    @kopf.on.update(*RESERVATIONS, registry=registry)
+    async def reservation_changed(
+        body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
+    ) -> None:
+        labels = _first(kwargs["namespace_labels"], namespace or "")
+        _retry(await _runtime(memo).door.changed(body, tenant_labels=labels))
+
+    @kopf.on.delete(*RESERVATIONS, registry=registry)
+    async def reservation_deleted(
+        body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
+    ) -> None:
+        labels = _first(kwargs["namespace_labels"], namespace or "")
+        await _runtime(memo).door.deleted(body, tenant_labels=labels)
+
+    @kopf.on.mutate(*RESERVATIONS, id="stamp", operations=["CREATE"], registry=registry)
+    def reservation_stamped(patch: kopf.Patch, userinfo: kopf.UserInfo, **_: Any) -> None:
+        annotations = patch.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations.update(webhooks.stamps(dict(userinfo)))
+
+    @kopf.on.validate(*RESERVATIONS, id="check", operations=["CREATE", "UPDATE"], registry=registry)
+    def reservation_checked(userinfo: kopf.UserInfo, body: kopf.Body, **kwargs: Any) -> None:
+        problem = webhooks.refusal(
+            operation=kwargs.get("operation"),
+            userinfo=dict(userinfo),
+            new=body,
+            old=kwargs.get("old"),
+        )
+        if problem is not None:
+            raise kopf.AdmissionError(problem, code=422)
+
+    # --- GPUPools and GPUNodes ---------------------------------------------------------------
+
+    @kopf.on.resume(*GPUPOOLS, registry=registry)
+    @kopf.on.create(*GPUPOOLS, registry=registry)
+    @kopf.on.update(*GPUPOOLS, registry=registry)
+    async def pool_applied(
+        name: str, spec: kopf.Spec, body: kopf.Body, memo: Any, **kwargs: Any
+    ) -> None:
+        runtime = _runtime(memo)
+        pool_specs, node_bodies = kwargs["pool_specs"], kwargs["node_bodies"]
+        try:
+            definition = definitions.pool_definition(name, spec)
+        except ComputeError as e:
+            await _pool_status(runtime, body, ready=False, reason=e.code.value, message=e.message)
+            return
+        await runtime.clusters.apply_pool(definition)
+        taken = await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
+        await _pool_status(runtime, body, ready=True, nodes=taken.get(name, 0))
+
+    @kopf.on.delete(*GPUPOOLS, registry=registry, optional=True)
+    async def pool_deleted(name: str, memo: Any, **kwargs: Any) -> None:
+        runtime = _runtime(memo)
+        pool_specs, node_bodies = kwargs["pool_specs"], kwargs["node_bodies"]
+        await runtime.clusters.archive_pool(name)
+        await _apply_nodes(runtime, pool_specs, node_bodies, override={name: None})
+
+    @kopf.on.event(*GPUNODES, registry=registry)
+    async def node_seen(type: str, name: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+        runtime = _runtime(memo)
+        pool_specs = kwargs["pool_specs"]
+        if type == "DELETED":
+            runtime.applied_nodes.pop(name, None)
+            await runtime.clusters.node_gone(name)
+            return
+        pools = {n: _first(pool_specs, n) for n in pool_specs}
+        await _apply_node(
+            runtime,
+            name,
+            body.get("metadata", {}).get("labels") or {},
+            body.get("status") or {},
+            pools,
+        )
+
+    # --- DeviceAllocations: the nodes' reports ------------------------------------------------
+
+    @kopf.on.event(*DEVICE_ALLOCATIONS, registry=registry)
+    async def allocation_reported(
+        type: str, body: kopf.Body, namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        runtime = _runtime(memo)
+        if namespace != runtime.config.namespace or type == "DELETED":
+            return
+        rid = await runtime.allocations.relay(body)
+        if rid:
+            runtime.projector.mark(rid)
+
+    return registry
+
+
+async def _apply_nodes(
+    runtime: Runtime,
+    pool_specs: kopf.Index[str, Any],
+    node_bodies: kopf.Index[str, Any],
+    *,
+    override: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, int]:
+    """Re-apply every GPUNode after a pool changed; answers nodes taken per pool.
+
+    ``override`` holds the pool just written (or ``None``: just deleted), since the index may
+    not have seen that change yet.
+    """
+    pools: dict[str, Any] = {n: _first(pool_specs, n) for n in pool_specs}
+    for name, spec in override.items():
+        if spec is None:
+            pools.pop(name, None)
+        else:
+            pools[name] = spec
+    taken: dict[str, int] = {}
+    for node in node_bodies:
+        seen = _first(node_bodies, node) or {}
+        pool = await _apply_node(
+            runtime, node, seen.get("labels") or {}, seen.get("status") or {}, pools
+        )
+        if pool is not None:
+            taken[pool] = taken.get(pool, 0) + 1
+    return taken
+
+
+async def _apply_node(
+    runtime: Runtime,
+    name: str,
+    labels: Mapping[str, str],
+    status: Mapping[str, Any],
+    pools: Mapping[str, Any],
+) -> str | None:
+    """Write one GPUNode's atoms for the pool that takes it; the pool's name."""
+    pool_name = definitions.pool_for(labels, {n: s for n, s in pools.items() if s})
+    pool = None
+    if pool_name is not None:
+        try:
+            pool = definitions.pool_definition(pool_name, pools[pool_name])
+        except ComputeError:
+            pool_name = None  # an invalid pool takes no nodes; its own status says why
+    spec = definitions.node_spec(name, labels=labels, status=status, pool=pool)
+    if runtime.applied_nodes.get(name) != spec:
+        await runtime.clusters.apply_node(spec)
+        runtime.applied_nodes[name] = spec
+    return pool_name
+
+
+async def _pool_status(
+    runtime: Runtime,
+    body: Mapping[str, Any],
+    *,
+    ready: bool,
+    nodes: int | None = None,
+    reason: str = "Applied",
+    message: str = "",
+) -> None:
+    meta = body.get("metadata") or {}
+    status: dict[str, Any] = {
+        "observedGeneration": meta.get("generation"),
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True" if ready else "False",
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": runtime.projector.clock(),
+            }
+        ],
+    }
+    if nodes is not None:
+        status["nodes"] = nodes
+    await runtime.kube.patch(resources.GPUPOOLS, meta["name"], {"status": status}, status=True)

@@ -1,0 +1,283 @@
+"""Keeping every Reservation's ``status`` equal to the stored reservation, within a second.
+
+Three inputs wake a projection: the database's change notifications
+(``compute_reservation``, one per changed reservation or allocation), the outbox (lifecycle
+events, delivered at least once; each also becomes a Kubernetes Event on the object), and the
+operator's own handlers after they called the service. Notifications are hints: the projector
+re-reads the reservation and writes the whole projected status, so a repeated or late hint
+changes nothing, and one lost while the operator was down is covered by the resume handlers
+re-projecting every object at start.
+
+Dirty ids are coalesced: a burst of changes to one reservation is one read and one patch.
+
+What it must never do: decide anything. It reads the service's answer and writes ``status``;
+a failed write is retried by the next hint, never by a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from bettercompute.core.errors import ComputeError
+from bettercompute.operator import resources, statuses
+from bettercompute.operator.kubeapi import KubeApi, KubeApiError
+from bettercompute.service.nodes import NodeService
+from bettercompute.service.reservations import ReservationService
+
+log = logging.getLogger(__name__)
+
+#: Outbox event types that are news to a person: Warning Events; the rest are Normal.
+WARNINGS = frozenset(
+    {
+        "reservation.failed",
+        "reservation.expired",
+        "reservation.binding-rejected",
+        "reservation.preempted",
+    }
+)
+
+
+#: Reservations whose events may wait for their object to be seen (one of another operator's
+#: objects, or one deleted before it was seen, never will be).
+MAX_UNANNOUNCED = 10_000
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a reservation's object lives, and what it last said (from the watch)."""
+
+    namespace: str
+    name: str
+    status: Mapping[str, Any]
+    generation: int | None
+    body: Mapping[str, Any]
+
+
+class Objects:
+    """Reservation id → its object, kept from the watch by the event handler."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Placement] = {}
+
+    def remember(self, body: Mapping[str, Any]) -> str | None:
+        status = body.get("status") or {}
+        rid = status.get("id")
+        if not rid:
+            return None
+        meta = body.get("metadata") or {}
+        self._by_id[rid] = Placement(
+            namespace=meta.get("namespace", ""),
+            name=meta.get("name", ""),
+            status=status,
+            generation=meta.get("generation"),
+            body=body,
+        )
+        return str(rid)
+
+    def forget(self, body: Mapping[str, Any]) -> None:
+        rid = (body.get("status") or {}).get("id")
+        meta = body.get("metadata") or {}
+        place = self._by_id.get(rid) if rid else None
+        if place is not None and (place.namespace, place.name) == (
+            meta.get("namespace"),
+            meta.get("name"),
+        ):
+            del self._by_id[str(rid)]
+
+    def where(self, rid: str) -> Placement | None:
+        return self._by_id.get(rid)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def now_rfc3339() -> str:
+    """Wall-clock time for ``lastTransitionTime`` only: Kubernetes shows it, nothing decides
+    on it (business time is the database's)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Projector:
+    """Writes projected statuses; ``run`` drives it from notifications and the outbox."""
+
+    def __init__(
+        self,
+        *,
+        service: ReservationService,
+        nodes: NodeService,
+        kube: KubeApi,
+        objects: Objects,
+        clock: Callable[[], str] = now_rfc3339,
+        concurrency: int = 16,
+    ):
+        self.service = service
+        self.nodes = nodes
+        self.kube = kube
+        self.objects = objects
+        self.clock = clock
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._limit = asyncio.Semaphore(concurrency)
+        # The Refused condition each reservation shows until an operation on it succeeds. Kept
+        # here, not read back from the watch: a projection racing a refusal would erase it.
+        self._refusals: dict[str, Mapping[str, Any]] = {}
+        # Outbox events about reservations whose object is not known yet: the create handler
+        # commits (and the event is delivered) before its status names the reservation.
+        self._unannounced: dict[str, list[Mapping[str, Any]]] = {}
+        self.projected = 0
+
+    async def remember(self, body: Mapping[str, Any]) -> None:
+        """The watch saw a Reservation: keep where it lives, and announce what waited for it."""
+        rid = self.objects.remember(body)
+        for event in self._unannounced.pop(rid or "", ()):
+            await self.announce(event)
+
+    def mark(self, rid: str) -> None:
+        """Project ``rid`` soon (non-blocking; safe from any callback on the loop)."""
+        self._dirty.add(rid)
+        self._wake.set()
+
+    async def write(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        view: Mapping[str, Any],
+        previous: Mapping[str, Any] | None,
+        generation: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+        keep_refusal: bool = True,
+    ) -> None:
+        """Write the projection of ``view`` on one object now (the handlers' path)."""
+        rid = str(view["id"])
+        if keep_refusal:
+            refused = self._refusals.get(rid) or statuses.refused_in(previous)
+        else:
+            self._refusals.pop(rid, None)
+            refused = None
+        nodes = await self.nodes.nodes_of(rid)
+        status = statuses.reservation_status(
+            view,
+            nodes=nodes,
+            generation=generation,
+            previous=previous,
+            now=self.clock(),
+            refused=refused,
+        )
+        status.update(extra or {})
+        await self.kube.patch(
+            resources.RESERVATIONS,
+            name,
+            {"status": status},
+            namespace=namespace,
+            status=True,
+        )
+        self.projected += 1
+
+    async def refuse(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        error: ComputeError,
+        operation: str,
+        previous: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Show a refusal as the ``Refused`` condition (reason: the core's error code)."""
+        refused = statuses.refusal(error, operation=operation, now=self.clock())
+        rid = (previous or {}).get("id")
+        if rid:
+            self._refusals[str(rid)] = refused
+        body: dict[str, Any] = {"conditions": statuses.with_refusal(previous, refused)}
+        body.update(extra or {})
+        await self.kube.patch(
+            resources.RESERVATIONS, name, {"status": body}, namespace=namespace, status=True
+        )
+
+    async def project(self, rid: str) -> bool:
+        """Re-read ``rid`` and write its projection; ``False`` when it has no object here."""
+        place = self.objects.where(rid)
+        if place is None:
+            return False
+        view = await self.service.snapshot(rid)
+        if view is None:
+            return False
+        await self.write(
+            namespace=place.namespace,
+            name=place.name,
+            view=view,
+            previous=place.status,
+            generation=None,
+        )
+        return True
+
+    async def announce(self, event: Mapping[str, Any]) -> None:
+        """An outbox event: a Kubernetes Event on the object, and a projection."""
+        subject = str(event.get("subject") or "")
+        if not subject.startswith("reservation/"):
+            return
+        rid = subject.removeprefix("reservation/")
+        self.mark(rid)
+        place = self.objects.where(rid)
+        if place is None:
+            if len(self._unannounced) >= MAX_UNANNOUNCED:  # oldest first out: bounded memory
+                del self._unannounced[next(iter(self._unannounced))]
+            self._unannounced.setdefault(rid, []).append(event)
+            return
+        kind = str(event.get("type") or "")
+        data = event.get("data") or {}
+        await self.kube.post_event(
+            involved=place.body,
+            type_="Warning" if kind in WARNINGS else "Normal",
+            reason=_reason(kind),
+            message=_message(kind, data),
+            namespace=place.namespace,
+        )
+
+    async def run(
+        self, *, listen: Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Project dirty reservations until cancelled; ``listen`` feeds change notifications."""
+        listener = asyncio.create_task(listen(self.mark), name="reservation-changes")
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch, self._dirty = self._dirty, set()
+                await asyncio.gather(*(self._project_one(rid) for rid in batch))
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    async def _project_one(self, rid: str) -> None:
+        async with self._limit:
+            try:
+                await self.project(rid)
+            except (KubeApiError, ComputeError) as e:
+                log.warning("could not project %s: %s", rid, e)
+            except Exception:  # a store outage must not end the projector: the next hint retries
+                log.exception("could not project %s", rid)
+
+
+def _reason(kind: str) -> str:
+    """``reservation.binding-rejected`` → ``BindingRejected``."""
+    tail = kind.removeprefix("reservation.")
+    return "".join(part.capitalize() for part in tail.replace("_", "-").split("-")) or "Changed"
+
+
+def _message(kind: str, data: Mapping[str, Any]) -> str:
+    state = data.get("state")
+    parts = [f"reservation is {state}" if state else kind]
+    if data.get("nodeIds"):
+        parts.append("on " + ", ".join(map(str, data["nodeIds"])))
+    if data.get("reason"):
+        parts.append(f"({data['reason']})")
+    return " ".join(parts)

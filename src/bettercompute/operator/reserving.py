@@ -1,0 +1,221 @@
+"""A Reservation object's life as service calls: create, extend, renew, release.
+
+Each method takes the object as kopf hands it over, calls the service once as the stamped
+requester of the namespace's tenant, and writes the answer into ``status`` (the projection,
+or a ``Refused`` condition with the core's code and message, plus a Warning Event). It
+answers how long to wait before kopf should try again, or ``None`` when done: the retry itself
+is the handler's business (``kopf.TemporaryError`` belongs at the handler edge).
+
+What it must never do: decide. Whether a request is valid, allowed, within quota or placeable
+is the core's answer; this module only carries it both ways.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from bettercompute.core import ports, states
+from bettercompute.core.errors import ComputeError, ErrorCode
+from bettercompute.operator import definitions, resources
+from bettercompute.operator.kubeapi import KubeApi
+from bettercompute.operator.projecting import Projector
+from bettercompute.service.reservations import ReservationService
+
+log = logging.getLogger(__name__)
+
+#: Refusals worth trying again by themselves, and after how many seconds. Everything else
+#: waits for the object to change (a CONFLICT or an INVALID_INPUT does not heal by waiting).
+RETRY_AFTER_S: Mapping[ErrorCode, float] = {
+    ErrorCode.QUOTA_EXCEEDED: 30.0,
+    ErrorCode.SPEND_LIMIT_REACHED: 60.0,
+    ErrorCode.CONFIRMATION_REQUIRED: 30.0,
+}
+
+TERMINAL = frozenset(s.value for s in states.TERMINAL)
+
+
+class ReservationDoor:
+    """The Reservation resource as a door onto the reservation service."""
+
+    def __init__(self, *, service: ReservationService, projector: Projector, kube: KubeApi):
+        self.service = service
+        self.projector = projector
+        self.kube = kube
+        #: Create handler runs that called the service (a replica that stood by made none).
+        self.admissions = 0
+
+    # --- create --------------------------------------------------------------------------------
+
+    async def admit(
+        self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
+    ) -> float | None:
+        """Create (or, for an object already admitted, re-read) the reservation."""
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        rid = status.get("id")
+        if rid:  # admitted before (a resume): show what is stored now
+            view = await self.service.snapshot(str(rid))
+            if view is not None:
+                await self._show(body, view)
+                return None
+        try:
+            tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
+            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+            request = definitions.create_request(
+                body.get("spec") or {}, tenant_id=tenant, uid=str(meta.get("uid"))
+            )
+            self.admissions += 1
+            view = await self.service.create(caller, request)
+        except ComputeError as e:
+            return await self._refuse(body, e, operation="create")
+        await self._show(body, view, keep_refusal=False)
+        return None
+
+    # --- changes: release, extend, renew -------------------------------------------------------
+
+    async def changed(
+        self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
+    ) -> float | None:
+        """Act on what changed in ``spec`` and the renew annotation since it was last acted on."""
+        meta, spec, status = (
+            body.get("metadata") or {},
+            body.get("spec") or {},
+            body.get("status") or {},
+        )
+        rid = status.get("id")
+        if not rid:
+            # Never admitted (refused): a changed object is a new chance to admit it.
+            return await self.admit(body, tenant_labels=tenant_labels)
+        try:
+            tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
+            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+        except ComputeError as e:
+            return await self._refuse(body, e, operation="update")
+        target = {"tenantId": tenant, "reservationId": rid}
+        if spec.get("release") is True and status.get("state") not in TERMINAL:
+            return await self._call(body, "release", caller, target)
+        extension = status.get("extension") or {}
+        if spec.get("extendKey") and spec.get("extendKey") != extension.get("key"):
+            retry = await self._extend(body, caller, target, spec)
+            if retry is not None:
+                return retry
+        renew = (meta.get("annotations") or {}).get(resources.RENEW)
+        if renew and renew != status.get("renewed"):
+            return await self._call(body, "renew", caller, target, extra={"renewed": renew})
+        return None
+
+    async def _extend(
+        self,
+        body: Mapping[str, Any],
+        caller: ports.Caller,
+        target: Mapping[str, Any],
+        spec: Mapping[str, Any],
+    ) -> float | None:
+        request: dict[str, Any] = {**target, "idempotencyKey": spec["extendKey"]}
+        if spec.get("until") is not None:
+            request["until"] = spec["until"]
+        if spec.get("extendBy") is not None:
+            request["by"] = spec["extendBy"]
+        extension: dict[str, Any] = {"key": spec["extendKey"]}
+        try:
+            answer = await self.service.extend(caller, request)
+        except ComputeError as e:
+            extension.update(extended=False, error=e.code.value)
+            return await self._refuse(body, e, operation="extend", extra={"extension": extension})
+        extension["extended"] = bool(answer["extended"])
+        if answer.get("availableUntil") is not None:
+            extension["availableUntil"] = answer["availableUntil"]
+        await self._show(body, answer["reservation"], extra={"extension": extension})
+        return None
+
+    async def _call(
+        self,
+        body: Mapping[str, Any],
+        operation: str,
+        caller: ports.Caller,
+        target: Mapping[str, Any],
+        *,
+        extra: Mapping[str, Any] | None = None,
+    ) -> float | None:
+        call = {"release": self.service.release, "renew": self.service.renew}[operation]
+        try:
+            view = await call(caller, dict(target))
+        except ComputeError as e:
+            return await self._refuse(body, e, operation=operation, extra=extra)
+        await self._show(body, view, extra=extra, keep_refusal=False)
+        return None
+
+    # --- delete --------------------------------------------------------------------------------
+
+    async def deleted(
+        self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
+    ) -> None:
+        """``kubectl delete``: release the reservation before the finalizer lets the object go.
+
+        A release the core refuses (the stamped requester lost its rights) is reported as a
+        Warning Event and the object still goes: holding it forever would help nobody; the
+        reservation then ends at its own end.
+        """
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        rid = status.get("id")
+        if not rid or status.get("state") in TERMINAL:
+            return
+        try:
+            tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
+            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+            await self.service.release(caller, {"tenantId": tenant, "reservationId": rid})
+        except ComputeError as e:
+            await self._event(body, "ReleaseRefused", f"{e.code.value}: {e.message}")
+
+    # --- writing status ------------------------------------------------------------------------
+
+    async def _show(
+        self,
+        body: Mapping[str, Any],
+        view: Mapping[str, Any],
+        *,
+        extra: Mapping[str, Any] | None = None,
+        keep_refusal: bool = True,
+    ) -> None:
+        meta = body.get("metadata") or {}
+        await self.projector.write(
+            namespace=meta["namespace"],
+            name=meta["name"],
+            view=view,
+            previous=body.get("status") or {},
+            generation=meta.get("generation"),
+            extra=extra,
+            keep_refusal=keep_refusal,
+        )
+
+    async def _refuse(
+        self,
+        body: Mapping[str, Any],
+        error: ComputeError,
+        *,
+        operation: str,
+        extra: Mapping[str, Any] | None = None,
+    ) -> float | None:
+        meta = body.get("metadata") or {}
+        observed = {"observedGeneration": meta.get("generation"), **(extra or {})}
+        await self.projector.refuse(
+            namespace=meta["namespace"],
+            name=meta["name"],
+            error=error,
+            operation=operation,
+            previous=body.get("status") or {},
+            extra=observed,
+        )
+        await self._event(body, "Refused", f"{operation}: {error.code.value}: {error.message}")
+        return RETRY_AFTER_S.get(error.code)
+
+    async def _event(self, body: Mapping[str, Any], reason: str, message: str) -> None:
+        meta = body.get("metadata") or {}
+        await self.kube.post_event(
+            involved=body,
+            type_="Warning",
+            reason=reason,
+            message=message,
+            namespace=meta.get("namespace", "default"),
+        )

@@ -1,0 +1,395 @@
+"""The operator process: kopf handlers, the reconciler, the projector, the allocation sync
+and the HTTP API, over one database, started and stopped together.
+
+``started`` is the composition root (the tests and the benchmark use it as a context manager);
+``main`` is ``better-compute-operator``, which reads its settings from flags and environment
+variables and runs until SIGTERM.
+
+What it must never do: hold a handler's logic, or leave a task running after it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Collection, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import kopf
+import typer
+from aiohttp import web
+
+from bettercompute.api.app import make_app
+from bettercompute.core.ports import PolicyEngine
+from bettercompute.iam import policies
+from bettercompute.operator import handlers, resources
+from bettercompute.operator.allocating import AllocationSync
+from bettercompute.operator.authenticating import TokenReviewAuthenticator
+from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.kubeapi import KubeApi
+from bettercompute.operator.projecting import Objects, Projector
+from bettercompute.operator.reserving import ReservationDoor
+from bettercompute.operator.runtime import Runtime
+from bettercompute.service.clusters import ClusterService
+from bettercompute.service.events import EventDelivery
+from bettercompute.service.nodes import NodeService
+from bettercompute.service.reconciling import Reconciler
+from bettercompute.service.reservations import ReservationService
+from bettercompute.store import listening
+from bettercompute.store.budgets import DatabaseBudget
+from bettercompute.store.database import Database, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class OperatorError(Exception):
+    """The operator cannot start; the message says what to fix."""
+
+
+@dataclass
+class Operator:
+    """A running operator: its HTTP API's URL and its parts, for tests and the benchmark."""
+
+    runtime: Runtime
+    url: str
+    tasks: list[asyncio.Task[None]]
+    kopf_task: asyncio.Task[None]
+    ready: asyncio.Event
+
+
+def connection_info(config: OperatorConfig) -> kopf.ConnectionInfo:
+    """An explicit API server, else the pod's service account, else ``$KUBECONFIG``."""
+    if config.api_server:
+        return kopf.ConnectionInfo(
+            server=config.api_server,
+            token=config.api_token,
+            scheme="Bearer" if config.api_token else None,
+            default_namespace=config.namespace,
+        )
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise OperatorError(
+            "no Kubernetes API server: run in a pod with a service account, set KUBECONFIG, "
+            "or give --api-server"
+        )
+    return info
+
+
+def policy_engine(config: OperatorConfig) -> policies.CedarPolicyEngine:
+    texts = [] if config.no_default_policies else [policies.DEFAULT_POLICIES]
+    for path in config.policy_files:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise OperatorError(f"cannot read the policy file {path}: {e.strerror}") from e
+    try:
+        return policies.CedarPolicyEngine.from_texts(texts, validate=True)
+    except ValueError as e:
+        raise OperatorError(f"the Cedar policies are not valid: {e}") from e
+
+
+def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Progress and the last-handled spec in annotations: status is the reservation's alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=resources.KOPF_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=resources.KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = resources.FINALIZER
+    # Our own Events say what happened; kopf's "Handler succeeded" would drown them.
+    settings.posting.level = logging.WARNING
+    settings.peering.name = config.peering_name
+    settings.peering.priority = config.priority
+    settings.peering.standalone = config.standalone
+    settings.peering.mandatory = not config.standalone
+    if config.webhook_port is not None:
+        tls = config.webhook_cert is not None and config.webhook_key is not None
+        settings.admission.server = kopf.WebhookServer(
+            addr=config.webhook_host,
+            port=config.webhook_port,
+            certfile=str(config.webhook_cert) if tls else None,
+            pkeyfile=str(config.webhook_key) if tls else None,
+            insecure=not tls,
+        )
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def started(
+    config: OperatorConfig,
+    *,
+    db: Database | None = None,
+    policy: PolicyEngine | None = None,
+) -> AsyncIterator[Operator]:
+    """The operator, running while the block runs; every part stops when it ends.
+
+    ``db`` and ``policy`` replace the ones ``config`` names (tests share their database and
+    count decisions); kopf's shutdown cancels every task started after it, so kopf is started
+    last and stopped first.
+    """
+    engine = policy or policy_engine(config)
+    connection = connection_info(config)
+    async with contextlib.AsyncExitStack() as stack:
+        if db is None:
+            try:
+                db = await Database.open(config.database_url)
+            except StoreError as e:
+                raise OperatorError(f"cannot open the database: {e}") from e
+            stack.push_async_callback(db.close)
+        clusters = ClusterService(db)
+        await clusters.ensure_root_tenant(config.root_tenant)
+        service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
+        kube = KubeApi(connection)
+        stack.push_async_callback(kube.close)
+        nodes = NodeService(db)
+        objects = Objects()
+        projector = Projector(service=service, nodes=nodes, kube=kube, objects=objects)
+        allocations = AllocationSync(
+            service=service,
+            nodes=nodes,
+            kube=kube,
+            namespace=config.namespace,
+            resync_s=config.allocation_resync_s,
+        )
+        runtime = Runtime(
+            config=config,
+            connection=connection,
+            service=service,
+            clusters=clusters,
+            nodes=nodes,
+            kube=kube,
+            objects=objects,
+            projector=projector,
+            allocations=allocations,
+            door=ReservationDoor(service=service, projector=projector, kube=kube),
+        )
+
+        def changed(rid: str) -> None:
+            projector.mark(rid)
+            allocations.mark_reservation(rid)
+
+        async def listen(_: Any) -> None:
+            await listening.payloads(db.dsn, "compute_reservation", changed)
+
+        tasks: list[asyncio.Task[None]] = []
+        stack.push_async_callback(_cancel, tasks)
+        tasks.append(_task(Reconciler(db).run(), name="reconciler"))
+        tasks.append(_task(projector.run(listen=listen), name="projector"))
+        tasks.append(_task(allocations.run(), name="allocations"))
+        events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
+        tasks.append(_task(events.run(), name="events"))
+
+        stop, ready = asyncio.Event(), asyncio.Event()
+        kopf_task = asyncio.create_task(
+            _run_kopf(config=config, runtime=runtime, stop=stop, ready=ready), name="kopf"
+        )
+        stack.push_async_callback(_stop_kopf, kopf_task, stop)
+
+        async def is_ready() -> bool:
+            return ready.is_set() and not kopf_task.done() and not any(t.done() for t in tasks)
+
+        app = make_app(
+            service=service,
+            authenticator=TokenReviewAuthenticator(
+                kube, tenant_group_prefix=config.tenant_group_prefix
+            ),
+            ready=is_ready,
+        )
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, config.http_host, config.http_port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise OperatorError(
+                f"cannot listen on {config.http_host}:{config.http_port}: {e.strerror}"
+            ) from e
+        port = int(runner.addresses[0][1])
+        host = "127.0.0.1" if config.http_host in ("0.0.0.0", "") else config.http_host
+        yield Operator(
+            runtime=runtime,
+            url=f"http://{host}:{port}",
+            tasks=tasks,
+            kopf_task=kopf_task,
+            ready=ready,
+        )
+
+
+class _EveryTask(Collection["asyncio.Task[Any]"]):
+    """Tells kopf that no task of the loop is its to stop but its own.
+
+    ``kopf.operator`` treats every task created after it started as a sub-task of its own and
+    cancels whatever is left when it exits: our HTTP API's connections, the reconciler's
+    queries, a test's fixture teardown. Its root tasks stop their own sub-tasks; the rest of
+    the process stops its parts itself.
+    """
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+async def _run_kopf(
+    *, config: OperatorConfig, runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event
+) -> None:
+    tasks = await kopf.spawn_tasks(
+        registry=handlers.make_registry(),
+        settings=kopf_settings(config),
+        clusterwide=True,
+        memo=kopf.Memo(runtime=runtime),
+        stop_flag=stop,
+        ready_flag=ready,
+    )
+    await kopf.run_tasks(tasks, ignored=_EveryTask())
+
+
+async def _stop_kopf(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    stop.set()
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout=10)
+    except TimeoutError:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    # kopf installed SIGINT/SIGTERM handlers on the loop; the loop outlives it.
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(signum)
+
+
+def _task(coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+    task = asyncio.create_task(coro, name=name)
+
+    def report(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.error("%s stopped", name, exc_info=done.exception())
+
+    task.add_done_callback(report)
+    return task
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- better-compute-operator ---------------------------------------------------------------
+
+cli = typer.Typer(
+    add_completion=False,
+    help="Run the Better Compute operator: Reservation, GPUPool, GPUNode and DeviceAllocation "
+    "handlers, the admission webhooks, the reconciler and the HTTP API, against the cluster of "
+    "the pod's service account (or $KUBECONFIG).",
+)
+
+
+@cli.command()
+def run(
+    database_url: Annotated[
+        str, typer.Option(envvar="DATABASE_URL", help="PostgreSQL URL (postgresql://…).")
+    ],
+    namespace: Annotated[
+        str,
+        typer.Option(envvar="POD_NAMESPACE", help="The namespace DeviceAllocations live in."),
+    ] = "better-compute",
+    root_tenant: Annotated[
+        str, typer.Option(envvar="BCD_ROOT_TENANT", help="The platform team's tenant.")
+    ] = "root",
+    policies_: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--policies",
+            envvar="BCD_POLICY_FILES",
+            help="Cedar policy files added after the built-in ones (repeat the flag).",
+        ),
+    ] = None,
+    no_default_policies: Annotated[
+        bool, typer.Option(help="Leave out the built-in policies.")
+    ] = False,
+    http_port: Annotated[
+        int, typer.Option(envvar="BCD_HTTP_PORT", help="Port of the HTTP API and probes.")
+    ] = 8080,
+    webhook_port: Annotated[
+        int, typer.Option(envvar="BCD_WEBHOOK_PORT", help="Port of the admission webhooks.")
+    ] = 9443,
+    webhook_cert: Annotated[
+        Path | None, typer.Option(envvar="BCD_WEBHOOK_CERT", help="TLS certificate (PEM).")
+    ] = None,
+    webhook_key: Annotated[
+        Path | None, typer.Option(envvar="BCD_WEBHOOK_KEY", help="TLS private key (PEM).")
+    ] = None,
+    priority: Annotated[
+        int, typer.Option(envvar="BCD_PEERING_PRIORITY", help="kopf peering priority.")
+    ] = 0,
+    standalone: Annotated[
+        bool, typer.Option(help="Run without kopf peering (a single replica).")
+    ] = False,
+    api_server: Annotated[
+        str | None, typer.Option(envvar="BCD_API_SERVER", help="Kubernetes API server URL.")
+    ] = None,
+    api_token: Annotated[
+        str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
+    ] = None,
+) -> None:
+    """Run until SIGTERM or Ctrl-C.
+
+    Example: DATABASE_URL=postgresql://bcd@db/bcd better-compute-operator --standalone
+    """
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
+    config = OperatorConfig(
+        database_url=database_url,
+        namespace=namespace,
+        root_tenant=root_tenant,
+        policy_files=tuple(policies_ or ()),
+        no_default_policies=no_default_policies,
+        http_port=http_port,
+        webhook_port=webhook_port,
+        webhook_cert=webhook_cert,
+        webhook_key=webhook_key,
+        priority=priority,
+        standalone=standalone,
+        api_server=api_server,
+        api_token=api_token,
+    )
+    try:
+        asyncio.run(_serve(config))
+    except OperatorError as e:
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve(config: OperatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with started(config) as operator:
+        log.info("operator running; HTTP API on %s", operator.url)
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait(
+            [stopping, operator.kopf_task, *operator.tasks], return_when=asyncio.FIRST_COMPLETED
+        )
+        stopping.cancel()
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,41 @@
+"""Everything the kopf handlers reach, in one value kept in kopf's ``memo``.
+
+Why one value: handlers are module-level functions that kopf calls; they get their services
+from the memo instead of module globals, so two operators can run in one process (the peering
+test does) and each test starts from nothing.
+
+Data only: built and started by ``running``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import kopf
+
+from bettercompute.core.inventories import NodeSpec
+from bettercompute.operator.allocating import AllocationSync
+from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.kubeapi import KubeApi
+from bettercompute.operator.projecting import Objects, Projector
+from bettercompute.operator.reserving import ReservationDoor
+from bettercompute.service.clusters import ClusterService
+from bettercompute.service.nodes import NodeService
+from bettercompute.service.reservations import ReservationService
+
+
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    connection: kopf.ConnectionInfo
+    service: ReservationService
+    clusters: ClusterService
+    nodes: NodeService
+    kube: KubeApi
+    objects: Objects
+    projector: Projector
+    allocations: AllocationSync
+    door: ReservationDoor
+    #: The last NodeSpec written per node: a GPUNode heartbeat that changes nothing the placer
+    #: reads must not bump the pool's inventory version (and empty the placement cache).
+    applied_nodes: dict[str, NodeSpec] = field(default_factory=dict)

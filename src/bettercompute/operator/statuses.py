@@ -1,0 +1,158 @@
+"""A stored reservation as a Reservation's ``status``, and a refusal as a condition.
+
+Why a module of its own: ``status`` is written from several places (the create handler, the
+extend and renew handlers, the change listener), and must look the same whichever wrote it.
+Conditions keep their ``lastTransitionTime`` while their status and reason stand still, as
+Kubernetes conventions ask, so a re-projection does not look like a change to ``kubectl``.
+
+Pure: the clock is passed in; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bettercompute.core.errors import ComputeError
+
+REFUSED = "Refused"
+
+#: Keys of ``status`` a projection owns; a merge patch sets the absent ones to null.
+PROJECTED = (
+    "id",
+    "state",
+    "tenantId",
+    "poolId",
+    "during",
+    "startTime",
+    "endTime",
+    "gpus",
+    "nodes",
+    "conditions",
+    "binding",
+    "operation",
+    "version",
+    "leaseExpiresAt",
+    "observedGeneration",
+)
+
+
+def rfc3339(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    moment = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def conditions(
+    guide: Sequence[Mapping[str, Any]],
+    *,
+    previous: Sequence[Mapping[str, Any]] | None,
+    now: str,
+) -> list[dict[str, Any]]:
+    """The guide's conditions, Kubernetes-style (``status: "True"``, ``lastTransitionTime``)."""
+    before = {c.get("type"): c for c in previous or ()}
+    out: list[dict[str, Any]] = []
+    for condition in guide:
+        kind = str(condition.get("type"))
+        reason = str(condition.get("reason") or kind)
+        old = before.get(kind)
+        since = rfc3339(condition.get("since")) if condition.get("since") else None
+        unchanged = old is not None and old.get("reason") == reason and old.get("status") == "True"
+        item: dict[str, Any] = {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": str(condition.get("message") or ""),
+            "lastTransitionTime": (
+                since or (old or {}).get("lastTransitionTime") if unchanged else since or now
+            ),
+        }
+        for extra in ("since", "nodes", "pods"):
+            if condition.get(extra) is not None:
+                item[extra] = condition[extra]
+        out.append(item)
+    return out
+
+
+def gpus(request: Mapping[str, Any]) -> int:
+    """Devices booked: whole GPUs, MIG instances and slots, times the gang size."""
+    gang = int((request.get("gang") or {}).get("size") or 1)
+    return gang * sum(int(d.get("count") or 0) for d in request.get("devices") or ())
+
+
+def reservation_status(
+    view: Mapping[str, Any],
+    *,
+    nodes: Sequence[str],
+    generation: int | None,
+    previous: Mapping[str, Any] | None,
+    now: str,
+    refused: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The full projected ``status`` of a stored reservation (a merge patch body).
+
+    ``refused`` is the ``Refused`` condition of an earlier operation, shown until an operation
+    succeeds: a re-projection must not hide a refused extend.
+    """
+    previous = previous or {}
+    during = view.get("during") or None
+    status: dict[str, Any] = {key: None for key in PROJECTED}
+    status.update(
+        {
+            "id": view["id"],
+            "state": view["state"],
+            "tenantId": view["tenantId"],
+            "poolId": view["poolId"],
+            "during": during,
+            "startTime": rfc3339(during["start"]) if during else None,
+            "endTime": rfc3339(during["end"]) if during else None,
+            "gpus": gpus(view.get("request") or {}),
+            "nodes": ",".join(nodes) if nodes else None,
+            "conditions": conditions(
+                view.get("conditions") or (),
+                previous=previous.get("conditions"),
+                now=now,
+            ),
+            "binding": view.get("binding") or None,
+            "operation": view.get("operation"),
+            "version": view.get("version"),
+            "leaseExpiresAt": view.get("leaseExpiresAt"),
+        }
+    )
+    if refused is not None:
+        status["conditions"].append(dict(refused))
+    if generation is not None:
+        status["observedGeneration"] = generation
+    else:
+        status.pop("observedGeneration")
+    return status
+
+
+def refusal(error: ComputeError, *, operation: str, now: str) -> dict[str, Any]:
+    """The ``Refused`` condition for an operation the core refused."""
+    return {
+        "type": REFUSED,
+        "status": "True",
+        "reason": error.code.value,
+        "message": f"{operation}: {error.message}",
+        "lastTransitionTime": now,
+    }
+
+
+def refused_in(status: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The ``Refused`` condition a status shows, if any."""
+    for condition in (status or {}).get("conditions") or ():
+        if condition.get("type") == REFUSED:
+            found: Mapping[str, Any] = condition
+            return found
+    return None
+
+
+def with_refusal(
+    previous: Mapping[str, Any] | None, refused: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """``previous``'s conditions with ``refused`` in place of an older refusal."""
+    kept = [dict(c) for c in (previous or {}).get("conditions") or () if c.get("type") != REFUSED]
+    return [*kept, dict(refused)]

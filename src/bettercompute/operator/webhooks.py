@@ -1,0 +1,109 @@
+"""What the admission webhooks decide about a Reservation: who asked, and whether it may be.
+
+- The mutating webhook stamps the requesting user (``userInfo`` from the API server, which a
+  client cannot forge) as annotations on every Reservation created.
+- The validating webhook refuses a create whose stamp is not the requesting user's (a forged
+  stamp, or one made before the mutating webhook ran), an update that changes a stamp or an
+  immutable ``spec`` field, and a spec the core would refuse, naming the field and the reason.
+
+Why here and not only in the CRD schema: the schema cannot know who asked, and the core's
+rules (a mig device needs a profile, nvlink-all only for whole GPUs, a window that ends by
+9999-12-31) are the core's own validation, run as is.
+
+Pure: nothing here does I/O; the kopf handlers in ``handlers`` are a line around each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from bettercompute.core import requests
+from bettercompute.core.errors import ComputeError
+from bettercompute.operator import definitions, resources
+
+#: Stands in for the namespace's tenant when validating a spec: the core's rules on the
+#: request do not depend on who the tenant is.
+_ANY_TENANT = "tenant"
+_ANY_KEY = "key"
+
+
+def stamps(userinfo: Mapping[str, Any]) -> dict[str, str]:
+    """The annotations that record who asked, from the API server's ``userInfo``."""
+    return {
+        resources.REQUESTED_BY: str(userinfo.get("username") or ""),
+        resources.REQUESTED_BY_GROUPS: json.dumps(sorted(userinfo.get("groups") or [])),
+    }
+
+
+def refusal(
+    *,
+    operation: str | None,
+    userinfo: Mapping[str, Any],
+    new: Mapping[str, Any] | None,
+    old: Mapping[str, Any] | None,
+) -> str | None:
+    """Why this create or update must be refused, or ``None`` to allow it."""
+    if new is None:
+        return None
+    annotations = (new.get("metadata") or {}).get("annotations") or {}
+    if operation == "CREATE":
+        if not userinfo.get("username"):
+            return "the request carries no user: the API server must authenticate it"
+        expected = stamps(userinfo)
+        for key, value in expected.items():
+            if annotations.get(key) != value:
+                return (
+                    f"metadata.annotations[{key}]: must be the requesting user's "
+                    f"({value!r}); it is set by the mutating webhook and cannot be chosen"
+                )
+        return spec_problem(new.get("spec") or {})
+    if operation == "UPDATE" and old is not None:
+        old_annotations = (old.get("metadata") or {}).get("annotations") or {}
+        for key in resources.STAMPS:
+            if annotations.get(key) != old_annotations.get(key):
+                return f"metadata.annotations[{key}]: is immutable"
+        old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
+        for field in sorted(set(old_spec) | set(new_spec)):
+            if field in resources.MUTABLE_SPEC:
+                continue
+            if old_spec.get(field) != new_spec.get(field):
+                return f"spec.{field}: is immutable; make a new Reservation instead"
+        return mutable_problem(new_spec)
+    return None
+
+
+def spec_problem(spec: Mapping[str, Any]) -> str | None:
+    """The core's verdict on a Reservation's request, as ``spec.<field>: reason``."""
+    request = definitions.create_request(spec, tenant_id=_ANY_TENANT, uid=_ANY_KEY)
+    try:
+        requests.parse(requests.CreateInput, request)
+    except ComputeError as e:
+        return "spec." + e.message if e.details.get("field") else e.message
+    return mutable_problem(spec)
+
+
+def mutable_problem(spec: Mapping[str, Any]) -> str | None:
+    """Extend fields come as ``until`` or ``extendBy``, not both, and with an ``extendKey``."""
+    has_until, has_by = spec.get("until") is not None, spec.get("extendBy") is not None
+    if has_until and has_by:
+        return "spec.until: give until or extendBy, not both"
+    if (has_until or has_by) and not spec.get("extendKey"):
+        return "spec.extendKey: required with until or extendBy (the extend's own key)"
+    if spec.get("release") is not None and not isinstance(spec.get("release"), bool):
+        return "spec.release: must be true or false"
+    if has_until or has_by:
+        body: dict[str, Any] = {
+            "tenantId": _ANY_TENANT,
+            "reservationId": "rsv_x",
+            "idempotencyKey": spec.get("extendKey"),
+        }
+        body["until" if has_until else "by"] = spec.get("until" if has_until else "extendBy")
+        try:
+            requests.parse(requests.ExtendInput, body)
+        except ComputeError as e:
+            field = e.details.get("field")
+            renamed = {"until": "until", "by": "extendBy", "idempotencyKey": "extendKey"}
+            return f"spec.{renamed.get(str(field), field)}: {e.details.get('reason', e.message)}"
+    return None
