@@ -23,7 +23,7 @@ import pytest
 
 from bettercompute.dev import running
 from bettercompute.dev.running import Dev, DevError
-from bettercompute.sim import devicefiles
+from bettercompute.deviceplugin import devicefiles
 
 # The guide's "Reserve GPUs" HTTP example, in the demo's H100 pool.
 GUIDE_BODY = {

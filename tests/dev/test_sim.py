@@ -12,12 +12,13 @@ import pytest
 
 from bettercompute.core import pools
 from bettercompute.dev import applying
+from bettercompute.deviceplugin import devicefiles
+from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
-from bettercompute.sim import devicefiles, inventories
+from bettercompute.sim import inventories
 from bettercompute.sim.binding import NodeAgent
-from bettercompute.sim.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.store import inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller

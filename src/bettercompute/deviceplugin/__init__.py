@@ -4,6 +4,12 @@ Why a package of its own: it runs on the nodes, not beside the database. It disc
 GPUs (through NVML, or from a simulated inventory file where no GPU exists), registers them with
 the kubelet as a device plugin and reports them to Kubernetes.
 
+Modules: ``inventory`` (the node's GPUs), ``devicefiles`` (CDI spec and env file per allocation),
+``allocations`` (what the node holds and advertises), ``serving`` (the kubelet's gRPC servers),
+``registering`` (Register, and again after a kubelet restart), ``podresources`` (which pods hold
+devices), ``signing`` (the node key and signed reports), ``converging`` (the agent's core, with
+ports to Kubernetes), ``metrics`` and ``running`` (everything wired in order).
+
 It must never import ``store``, ``service``, ``api``, ``cli``, ``dev`` or ``sim``, nor speak to
 PostgreSQL: it talks only to the Kubernetes API and the kubelet (import-linter enforces this).
 """

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from bettercompute.sim import devicefiles
-from bettercompute.sim.devicefiles import Allocation, DeviceFileError, DeviceFiles
+from bettercompute.deviceplugin import devicefiles
+from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,279 @@
+"""The node's allocations, what they advertise to the kubelet, and who owns which device.
+
+Why it exists: the converger (``converging``) decides what the node holds; the three gRPC
+servers (``serving``) tell the kubelet. This module is the one place both look at: each
+allocation with its phase (binding → bound → releasing → released), the device → allocation
+ownership that keeps a device from being handed out twice, the inventory that says each device's
+health, NUMA node and NVLink domain, and a version counter that ListAndWatch streams wait on.
+
+Only a ``kubernetes`` binding's bound devices are advertised, each under the resource of its
+class: ``bcd.dev/gpu`` (id: the GPU UUID), ``bcd.dev/gpu.mig`` (the MIG UUID) and
+``bcd.dev/gpu.slot`` (``<gpu uuid>::<k>``). Once a release starts the devices are gone from the
+next list at once, although the allocation still owns them until no pod holds them.
+
+What it must never do: I/O of any kind (files, sockets, the kubelet). It is plain data plus an
+``asyncio.Event`` per version, so every rule here is testable without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+from bettercompute.deviceplugin import devicefiles
+from bettercompute.deviceplugin.devicefiles import Allocation
+from bettercompute.deviceplugin.inventory import Inventory
+
+
+class Phase(enum.Enum):
+    BINDING = "binding"  # owns its devices; files being written; not advertised yet
+    BOUND = "bound"  # advertised (a kubernetes binding)
+    RELEASING = "releasing"  # not advertised; still owns its devices while pods hold them
+    RELEASED = "released"  # owns nothing; kept until the desired list forgets it
+
+
+#: Phases in which an allocation owns its devices.
+OWNING = frozenset({Phase.BINDING, Phase.BOUND, Phase.RELEASING})
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    """One extended resource the node advertises, and the socket its server listens on."""
+
+    name: str
+    device_class: str
+    socket_name: str
+
+
+RESOURCES = (
+    Resource(name="bcd.dev/gpu", device_class="gpu", socket_name="bcd-gpu.sock"),
+    Resource(name="bcd.dev/gpu.mig", device_class="mig", socket_name="bcd-gpu-mig.sock"),
+    Resource(name="bcd.dev/gpu.slot", device_class="slot", socket_name="bcd-gpu-slot.sock"),
+)
+RESOURCE_BY_NAME = {resource.name: resource for resource in RESOURCES}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvertisedDevice:
+    """One device as the kubelet sees it, plus what GetPreferredAllocation groups by."""
+
+    device_id: str
+    healthy: bool
+    numa_node: int | None
+    allocation_id: str
+    parent_gpu: str
+    nvlink_domain: str | None
+    gpu_index: int | None
+
+
+@dataclasses.dataclass
+class Held:
+    """One allocation the node knows, and where it stands."""
+
+    allocation: Allocation
+    phase: Phase
+    releasing_since_ms: int | None = None
+    pods: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Conflict:
+    """A device of a new allocation that another allocation still owns."""
+
+    device_id: str
+    owner: str
+    owner_phase: Phase
+
+
+class Allocations:
+    """The node's allocations. Every change bumps ``version`` and wakes ``wait_changed``."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Held] = {}
+        self._owner: dict[str, str] = {}  # device id -> allocation id
+        self._inventory: Inventory | None = None
+        self.version = 0
+        self._changed = asyncio.Event()
+
+    # --- reading ------------------------------------------------------------------------
+
+    @property
+    def inventory(self) -> Inventory | None:
+        return self._inventory
+
+    def get(self, allocation_id: str) -> Held | None:
+        return self._held.get(allocation_id)
+
+    def all(self) -> list[Held]:
+        return list(self._held.values())
+
+    def owner_of(self, device_id: str) -> Held | None:
+        allocation_id = self._owner.get(device_id)
+        return None if allocation_id is None else self._held[allocation_id]
+
+    def count(self, phase: Phase) -> int:
+        return sum(1 for held in self._held.values() if held.phase is phase)
+
+    def conflicts(self, allocation: Allocation) -> list[Conflict]:
+        """Devices of ``allocation`` that another allocation owns."""
+        found = []
+        for device_id in allocation.device_ids:
+            owner = self.owner_of(device_id)
+            if owner is not None and owner.allocation.allocation_id != allocation.allocation_id:
+                found.append(
+                    Conflict(
+                        device_id=device_id,
+                        owner=owner.allocation.allocation_id,
+                        owner_phase=owner.phase,
+                    )
+                )
+        return found
+
+    def advertised(self, resource: Resource) -> list[AdvertisedDevice]:
+        """The complete device list of ``resource``, in a stable order."""
+        devices: list[AdvertisedDevice] = []
+        for held in self._held.values():
+            allocation = held.allocation
+            if (
+                held.phase is Phase.BOUND
+                and allocation.binding == "kubernetes"
+                and allocation.device_class == resource.device_class
+            ):
+                devices.extend(_describe(allocation, self._inventory))
+        return sorted(devices, key=lambda d: d.device_id)
+
+    async def wait_changed(self, *, after: int) -> int:
+        """Return the version once it is past ``after`` (at once if it already is)."""
+        while self.version <= after:
+            await self._changed.wait()
+        return self.version
+
+    # --- changing -----------------------------------------------------------------------
+
+    def set_inventory(self, inventory: Inventory) -> None:
+        if inventory != self._inventory:
+            self._inventory = inventory
+            self._bump()
+
+    def start_binding(self, allocation: Allocation) -> Held:
+        """Take ownership of the devices, not yet advertised. Refuses a device another
+        allocation owns: the caller checks ``conflicts`` first."""
+        taken = self.conflicts(allocation)
+        if taken:
+            raise ValueError(f"devices owned elsewhere: {taken}")
+        held = Held(allocation=allocation, phase=Phase.BINDING)
+        self._held[allocation.allocation_id] = held
+        for device_id in allocation.device_ids:
+            self._owner[device_id] = allocation.allocation_id
+        self._bump()
+        return held
+
+    def mark_bound(self, allocation_id: str) -> None:
+        self._set_phase(allocation_id, Phase.BOUND)
+
+    def start_release(self, allocation_id: str, *, since_ms: int) -> None:
+        """Stop advertising at once; the devices stay owned until ``mark_released``."""
+        held = self._held[allocation_id]
+        if held.phase in (Phase.RELEASING, Phase.RELEASED):
+            return
+        held.releasing_since_ms = since_ms
+        self._set_phase(allocation_id, Phase.RELEASING)
+
+    def set_pods(self, allocation_id: str, pods: Iterable[str]) -> None:
+        self._held[allocation_id].pods = tuple(pods)
+
+    def mark_released(self, allocation_id: str) -> None:
+        self._disown(allocation_id)
+        self._set_phase(allocation_id, Phase.RELEASED)
+
+    def forget(self, allocation_id: str) -> None:
+        """Drop an allocation entirely (released and gone from the desired list, or a bind
+        that failed before anything was advertised)."""
+        if allocation_id in self._held:
+            self._disown(allocation_id)
+            del self._held[allocation_id]
+            self._bump()
+
+    def _disown(self, allocation_id: str) -> None:
+        for device_id in self._held[allocation_id].allocation.device_ids:
+            if self._owner.get(device_id) == allocation_id:
+                del self._owner[device_id]
+
+    def _set_phase(self, allocation_id: str, phase: Phase) -> None:
+        held = self._held[allocation_id]
+        if held.phase is not phase:
+            held.phase = phase
+            self._bump()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        # Waiters hold the event they waited on; the next change wakes the next ones.
+        self._changed = asyncio.Event()
+
+
+def _describe(allocation: Allocation, inventory: Inventory | None) -> list[AdvertisedDevice]:
+    gpus = {} if inventory is None else {gpu.uuid: gpu for gpu in inventory.gpus}
+    domains = {} if inventory is None else _domain_of(inventory)
+    migs = {} if inventory is None else {mig.uuid: mig for gpu in inventory.gpus for mig in gpu.mig}
+    described = []
+    for device_id, parent in zip(allocation.device_ids, allocation.parent_gpus, strict=True):
+        gpu = gpus.get(parent)
+        present = gpu is not None and (allocation.device_class != "mig" or device_id in migs)
+        described.append(
+            AdvertisedDevice(
+                device_id=device_id,
+                # A device the inventory no longer shows cannot be healthy.
+                healthy=present and gpu is not None and gpu.healthy,
+                numa_node=None if gpu is None else gpu.numa_node,
+                allocation_id=allocation.allocation_id,
+                parent_gpu=parent,
+                nvlink_domain=domains.get(parent),
+                gpu_index=None if gpu is None else gpu.index,
+            )
+        )
+    return described
+
+
+def _domain_of(inventory: Inventory) -> dict[str, str]:
+    return {uuid: domain for domain, uuids in inventory.nvlink_domains.items() for uuid in uuids}
+
+
+def inventory_problems(*, inventory: Inventory, allocation: Allocation) -> list[str]:
+    """Why ``allocation`` cannot be delivered by this node's inventory (empty: it can).
+
+    A GPU is named by its UUID and is its own parent; a MIG instance by its UUID, under the
+    parent the inventory gives it; a slot is ``<gpu uuid>::<k>`` of a GPU the node has.
+    """
+    gpus = {gpu.uuid for gpu in inventory.gpus}
+    mig_parent = {mig.uuid: gpu.uuid for gpu in inventory.gpus for mig in gpu.mig}
+    problems = []
+    pairs: Sequence[tuple[str, str]] = list(
+        zip(allocation.device_ids, allocation.parent_gpus, strict=True)
+    )
+    for device_id, parent in pairs:
+        if allocation.device_class == "gpu":
+            if device_id not in gpus:
+                problems.append(f"GPU {device_id} is not in this node's inventory")
+            elif parent != device_id:
+                problems.append(f"GPU {device_id} is given parent {parent}, not itself")
+        elif allocation.device_class == "mig":
+            if device_id not in mig_parent:
+                problems.append(f"MIG device {device_id} is not in this node's inventory")
+            elif mig_parent[device_id] != parent:
+                problems.append(
+                    f"MIG device {device_id} belongs to {mig_parent[device_id]}, not {parent}"
+                )
+        else:
+            gpu_uuid, separator, k = device_id.rpartition("::")
+            if not separator or not k.isdigit() or gpu_uuid != parent:
+                problems.append(f"slot {device_id} is not '<parent gpu uuid>::<k>' of {parent}")
+            elif gpu_uuid not in gpus:
+                problems.append(f"slot {device_id}: GPU {gpu_uuid} is not in this node's inventory")
+    return problems
+
+
+def resource_of(allocation: Allocation) -> Resource:
+    return RESOURCE_BY_NAME[devicefiles.RESOURCE_NAMES[allocation.device_class]]

@@ -1,0 +1,121 @@
+"""The node agent put together: converger, three device-plugin servers, kubelet registration.
+
+Why it exists: the pieces depend on each other in one order that is easy to get wrong. The
+allocations must be rebuilt (one successful converger pass over the desired list and the files
+on disk) before any server registers, so the kubelet's first ListAndWatch message is already the
+full list after a restart, rather than an empty list followed by the real one. Then the
+converger, the inventory watch and the registrar run side by side until cancelled.
+
+The DaemonSet's entry point (the Kubernetes adapter, which implements the two ports of
+``converging``) builds a ``NodePlugin`` and runs it; the tests and ``bench/deviceplugin.py`` run
+the same object against kubelet stand-ins.
+
+What it must never do: decide anything itself: it wires and orders; the rules live in
+``converging``, ``allocations`` and ``serving``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from bettercompute.deviceplugin import converging, inventory, serving, signing
+from bettercompute.deviceplugin.allocations import RESOURCES, Allocations
+from bettercompute.deviceplugin.converging import Converger, DesiredAllocations, StatusReporter
+from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.metrics import DevicePluginMetrics
+from bettercompute.deviceplugin.podresources import PodHolders, PodResourcesClient
+from bettercompute.deviceplugin.registering import Registrar
+from bettercompute.deviceplugin.serving import PluginServer
+
+log = logging.getLogger(__name__)
+
+
+class NodePlugin:
+    """Everything the node runs for the kubelet, over one ``Allocations``."""
+
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        inventory_source: inventory.InventorySource,
+        desired: DesiredAllocations,
+        reporter: StatusReporter,
+        key: signing.NodeKey,
+        files: DeviceFiles,
+        registry: CollectorRegistry,
+        plugin_dir: Path = serving.DEVICE_PLUGIN_DIR,
+        pods: PodHolders | None = None,
+        pass_seconds: float = converging.PASS_SECONDS,
+        inventory_interval_s: float = 5.0,
+        register_poll_seconds: float = 0.1,
+        retry_on: tuple[type[Exception], ...] = (OSError,),
+    ) -> None:
+        self.allocations = Allocations()
+        self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
+        self.servers = [
+            PluginServer(
+                resource=resource,
+                allocations=self.allocations,
+                plugin_dir=plugin_dir,
+                metrics=self.metrics,
+            )
+            for resource in RESOURCES
+        ]
+        self.registrar = Registrar(
+            servers=self.servers, plugin_dir=plugin_dir, poll_seconds=register_poll_seconds
+        )
+        self.converger = Converger(
+            node_name=node_name,
+            allocations=self.allocations,
+            files=files,
+            inventory_source=inventory_source,
+            pods=pods if pods is not None else PodResourcesClient(),
+            desired=desired,
+            reporter=reporter,
+            key=key,
+            pass_seconds=pass_seconds,
+            retry_on=retry_on,
+        )
+        self.inventory_interval_s = inventory_interval_s
+        self._retryable: tuple[type[Exception], ...] = (*retry_on, inventory.InventoryError)
+        #: Set once the allocations are rebuilt and the servers may register.
+        self.rebuilt = asyncio.Event()
+
+    async def run(self) -> None:
+        """Rebuild, then converge, watch the inventory and stay registered, until cancelled."""
+        while True:
+            try:
+                await self.converger.sync_once()
+                break
+            except self._retryable as e:
+                log.warning("cannot rebuild the node's allocations yet, retrying: %s", e)
+                await asyncio.sleep(self.converger.pass_seconds)
+        self.rebuilt.set()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.converger.follow_inventory(interval_s=self.inventory_interval_s))
+            tasks.create_task(self.converger.run())
+            tasks.create_task(self.registrar.run())
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[NodePlugin]:
+        """Run in the background for the block's duration, then stop every server."""
+        task = asyncio.create_task(self.run(), name="node-plugin")
+        try:
+            rebuilt = asyncio.create_task(self.rebuilt.wait())
+            done, _ = await asyncio.wait({task, rebuilt}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                rebuilt.cancel()
+                task.result()  # the run ended early: raise its error here
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for server in self.servers:
+                await server.stop()
