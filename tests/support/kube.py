@@ -114,6 +114,10 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
 
     # token -> {"username": ..., "uid": ..., "groups": [...]}, answered by TokenReview.
     tokens: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    #: Keep only this many served requests (None: all). kmock matches every request against
+    #: its whole request history, so a long-running benchmark bounds it to stay linear.
+    request_history: int | None = None
+    _served: int = attrs.field(default=0, init=False)
     _revision: int = attrs.field(default=0, init=False)
     _changes: list[_Change] = attrs.field(factory=list, init=False)
     _written: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
@@ -248,8 +252,11 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         # namespaces); errors are still collected in ``errors`` and rendered as Status bodies.
         raw_response: aiohttp.web.StreamResponse | None = None
         try:
-            request = await kubeobjects.parse_request(raw_request, id=len(self._requests))
+            request = await kubeobjects.parse_request(raw_request, id=self._served)
+            self._served += 1
             self._requests.append(request)
+            if self.request_history is not None and len(self._requests) > self.request_history:
+                del self._requests[: -self.request_history]
             try:
                 return await self._handle(request)
             except rendering.StreamingError as e:

@@ -136,6 +136,7 @@ def make_registry() -> kopf.OperatorRegistry:
             await _pool_status(runtime, body, ready=False, reason=e.code.value, message=e.message)
             return
         await runtime.clusters.apply_pool(definition)
+        runtime.applied_pools.add(name)
         taken = await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
         await _pool_status(runtime, body, ready=True, nodes=taken.get(name, 0))
 
@@ -144,6 +145,7 @@ def make_registry() -> kopf.OperatorRegistry:
         runtime = _runtime(memo)
         pool_specs, node_bodies = kwargs["pool_specs"], kwargs["node_bodies"]
         await runtime.clusters.archive_pool(name)
+        runtime.applied_pools.discard(name)
         await _apply_nodes(runtime, pool_specs, node_bodies, override={name: None})
 
     @kopf.on.event(*GPUNODES, registry=registry)
@@ -223,6 +225,10 @@ async def _apply_node(
             pool = definitions.pool_definition(pool_name, pools[pool_name])
         except ComputeError:
             pool_name = None  # an invalid pool takes no nodes; its own status says why
+    if pool is not None and pool.pool_id not in runtime.applied_pools:
+        # The GPUNode's event may come before the GPUPool's handler wrote the pool.
+        await runtime.clusters.apply_pool(pool)
+        runtime.applied_pools.add(pool.pool_id)
     spec = definitions.node_spec(name, labels=labels, status=status, pool=pool)
     if runtime.applied_nodes.get(name) != spec:
         await runtime.clusters.apply_node(spec)

@@ -39,3 +39,5 @@ class Runtime:
     #: The last NodeSpec written per node: a GPUNode heartbeat that changes nothing the placer
     #: reads must not bump the pool's inventory version (and empty the placement cache).
     applied_nodes: dict[str, NodeSpec] = field(default_factory=dict)
+    #: Pools written since start, so a node is never written before its pool.
+    applied_pools: set[str] = field(default_factory=set)

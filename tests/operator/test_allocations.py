@@ -1,0 +1,146 @@
+"""A ``binding: kubernetes`` reservation through its DeviceAllocation: the operator creates it
+at the start, relays the node's reports, and shows DevicesHeld while pods hold the devices."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bettercompute.operator.running import Operator
+from tests.operator.conftest import World
+from tests.support import kubeworld
+from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
+
+NS = kubeworld.OPERATOR_NAMESPACE
+
+
+def _state(state: str):
+    return lambda o: bool(o) and (o.get("status") or {}).get("state") == state
+
+
+def _conditions(o) -> dict[str, dict]:
+    return {c["type"]: c for c in ((o or {}).get("status") or {}).get("conditions") or ()}
+
+
+async def _allocation_of(world: World, rid: str) -> dict:
+    """The reservation's DeviceAllocation, once it exists (woken by each stand-in write)."""
+    async with asyncio.timeout(5):
+        while True:
+            seen = world.kube.emulator.revision
+            items = [
+                o
+                for o in await world.kube.list(DEVICEALLOCATIONS, NS)
+                if o["spec"]["reservationId"] == rid
+            ]
+            if items:
+                return items[0]
+            await world.kube.emulator.written(since=seen)
+
+
+async def test_a_kubernetes_binding_goes_through_its_device_allocation(
+    world: World, operator: Operator
+):
+    node = world.nodes[0]
+    await world.kube.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
+    placed = await world.kube.wait_for(
+        RESERVATIONS, "ml", "train", lambda o: (o.get("status") or {}).get("id")
+    )
+    rid = placed["status"]["id"]
+
+    # The window starts at placement: the reservation binds and its allocation appears.
+    allocation = await _allocation_of(world, rid)
+    spec = allocation["spec"]
+    assert allocation["metadata"]["labels"] == {"bcd.dev/node": node, "bcd.dev/reservation": rid}
+    assert (spec["nodeName"], spec["class"], spec["binding"]) == (node, "gpu", "kubernetes")
+    assert len(spec["deviceIds"]) == 2
+    assert spec["release"] is False
+    await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("binding"))
+
+    # Another node's report about this allocation is ignored.
+    name = allocation["metadata"]["name"]
+    await world.kube.patch(
+        DEVICEALLOCATIONS, NS, name, {"status": kubeworld.bound("other-node", spec)}, status=True
+    )
+    # The node's own report binds it: active, with the CDI devices it reported.
+    await world.kube.patch(
+        DEVICEALLOCATIONS,
+        NS,
+        name,
+        {"status": kubeworld.bound(node, spec, at="2026-12-02T00:00:02Z")},
+        status=True,
+    )
+    active = await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("active"))
+    assert sorted(active["status"]["binding"]["cdiDevices"]) == sorted(
+        f"bcd.dev/gpu={d}" for d in spec["deviceIds"]
+    )
+
+    # Release while a pod still holds the devices: DevicesHeld with the pod, since the release.
+    await world.kube.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
+    await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("released"))
+    releasing = await world.kube.wait_for(
+        DEVICEALLOCATIONS, NS, name, lambda o: o["spec"]["release"] is True
+    )
+    since = 1_790_000_000_000
+    await world.kube.patch(
+        DEVICEALLOCATIONS,
+        NS,
+        name,
+        {
+            "status": kubeworld.releasing(
+                node, pods=["ml/trainer-0"], since=since, at="2026-12-02T00:00:03Z"
+            )
+        },
+        status=True,
+    )
+    held = await world.kube.wait_for(
+        RESERVATIONS,
+        "ml",
+        "train",
+        lambda o: (_conditions(o).get("DevicesHeld") or {}).get("pods") == ["ml/trainer-0"],
+    )
+    condition = _conditions(held)["DevicesHeld"]
+    assert condition["reason"] == "PodsHoldDevices"
+    assert condition["pods"] == ["ml/trainer-0"]
+    assert node in condition["message"]
+    assert condition["since"] is not None
+    assert releasing["spec"]["nodeName"] == node
+
+    # The pod is gone: the node reports released, DevicesHeld goes, the allocation is deleted.
+    await world.kube.patch(
+        DEVICEALLOCATIONS,
+        NS,
+        name,
+        {"status": kubeworld.released(node, at="2026-12-02T00:00:04Z")},
+        status=True,
+    )
+    await world.kube.wait_for(
+        RESERVATIONS, "ml", "train", lambda o: "DevicesHeld" not in _conditions(o)
+    )
+    await world.kube.wait_for(DEVICEALLOCATIONS, NS, name, lambda o: o is None)
+
+
+async def test_a_hold_binding_gets_an_allocation_too_and_a_failed_report_re_places(
+    world: World, operator: Operator
+):
+    await world.kube.create(kubeworld.reservation("hold").gpus(1).obj())
+    placed = await world.kube.wait_for(
+        RESERVATIONS, "ml", "hold", lambda o: (o.get("status") or {}).get("id")
+    )
+    allocation = await _allocation_of(world, placed["status"]["id"])
+    assert allocation["spec"]["binding"] == "hold"
+    name = allocation["metadata"]["name"]
+    await world.kube.patch(
+        DEVICEALLOCATIONS,
+        NS,
+        name,
+        {
+            "status": {
+                "nodeName": world.nodes[0],
+                "phase": "Failed",
+                "reason": "no such device",
+                "reportedAt": "2026-12-02T00:00:05Z",
+            }
+        },
+        status=True,
+    )
+    # The failed allocation is no longer the node's business: its object is deleted.
+    await world.kube.wait_for(DEVICEALLOCATIONS, NS, name, lambda o: o is None)
