@@ -60,6 +60,15 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
     await world.kube.patch(
         DEVICEALLOCATIONS, NS, name, {"status": kubeworld.bound("other-node", spec)}, status=True
     )
+    await asyncio.sleep(0.3)  # time for a wrongly accepted report to be judged
+    async with world.db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT state FROM allocations WHERE id = %s", (spec["allocationId"],)
+            )
+        ).fetchone()
+    assert row["state"] == "desired"
+    assert world.kube.stored(RESERVATIONS, "ml", "train")["status"]["state"] == "binding"
     # The node's own report binds it: active, with the CDI devices it reported.
     await world.kube.patch(
         DEVICEALLOCATIONS,

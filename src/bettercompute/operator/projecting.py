@@ -233,13 +233,18 @@ class Projector:
             return
         kind = str(event.get("type") or "")
         data = event.get("data") or {}
-        await self.kube.post_event(
-            involved=place.body,
-            type_="Warning" if kind in WARNINGS else "Normal",
-            reason=_reason(kind),
-            message=_message(kind, data),
-            namespace=place.namespace,
-        )
+        try:
+            await self.kube.post_event(
+                involved=place.body,
+                type_="Warning" if kind in WARNINGS else "Normal",
+                reason=_reason(kind),
+                message=_message(kind, data),
+                namespace=place.namespace,
+            )
+        except KubeApiError as e:
+            # An Event is news, not state: one the API server refused is logged, never retried
+            # (retrying would hold up every later event behind it).
+            log.warning("could not post the %s event of %s: %s", kind, rid, e)
 
     async def run(
         self, *, listen: Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]

@@ -25,6 +25,7 @@ import typer
 from aiohttp import web
 
 from bettercompute.api.app import make_app
+from bettercompute.core.errors import ComputeError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
 from bettercompute.operator import handlers, resources
@@ -92,7 +93,7 @@ def policy_engine(config: OperatorConfig) -> policies.CedarPolicyEngine:
             raise OperatorError(f"cannot read the policy file {path}: {e.strerror}") from e
     try:
         return policies.CedarPolicyEngine.from_texts(texts, validate=True)
-    except ValueError as e:
+    except (ValueError, ComputeError) as e:
         raise OperatorError(f"the Cedar policies are not valid: {e}") from e
 
 

@@ -163,6 +163,9 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
     bookings' history stays); a node or atom change wakes the reservations booked on it."""
     labels = {k: {"value": v, "source": src} for k, (v, src) in node.labels.items()}
     async with db.transaction() as conn:
+        # Two writers of one new node (a GPUNode event and a GPUPool's re-apply, or two
+        # replicas) would race on the name's unique index, which ON CONFLICT (id) cannot absorb.
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('node:' || %s))", (node.id,))
         before = await (
             await conn.execute("SELECT pool_id FROM nodes WHERE id = %s FOR UPDATE", (node.id,))
         ).fetchone()

@@ -1,0 +1,59 @@
+"""``better-compute-operator``: --help that teaches, and one-line errors instead of tracebacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from bettercompute.operator.running import cli
+
+
+def test_help_lists_the_settings_and_their_environment_variables():
+    result = CliRunner().invoke(cli, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for expected in (
+        "--database-url",
+        "DATABASE_URL",
+        "--webhook-port",
+        "--standalone",
+        "POD_NAMESPACE",
+        "--policies",
+        "Example",
+    ):
+        assert expected in result.output
+
+
+def test_a_missing_database_url_is_a_usage_error():
+    result = CliRunner().invoke(cli, [], env={"DATABASE_URL": ""})
+    assert result.exit_code == 2
+    assert "database-url" in result.output.lower()
+
+
+def test_an_unreadable_policy_file_is_one_line_naming_it(tmp_path: Path):
+    missing = tmp_path / "nope.cedar"
+    result = CliRunner().invoke(
+        cli, ["--database-url", "postgresql://x/y", "--policies", str(missing)]
+    )
+    assert result.exit_code == 1
+    assert f"cannot read the policy file {missing}" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_invalid_cedar_is_one_line(tmp_path: Path):
+    bad = tmp_path / "bad.cedar"
+    bad.write_text("permit (principal, action, resource) when { nonsense };")
+    result = CliRunner().invoke(cli, ["--database-url", "postgresql://x/y", "--policies", str(bad)])
+    assert result.exit_code == 1
+    assert "the Cedar policies are not valid" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_no_api_server_is_one_line(tmp_path: Path):
+    result = CliRunner().invoke(
+        cli,
+        ["--database-url", "postgresql://x/y"],
+        env={"KUBECONFIG": "", "HOME": str(tmp_path), "BCD_API_SERVER": ""},
+    )
+    assert result.exit_code == 1
+    assert "no Kubernetes API server" in result.output
