@@ -29,7 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from bettercompute import supervising
 from bettercompute.api.app import make_app
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
@@ -217,8 +218,8 @@ async def started(
         service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
 
         tasks: list[asyncio.Task[None]] = []
-        stack.push_async_callback(_cancel, tasks)
-        tasks.append(_task(Reconciler(db).run(), name="reconciler"))
+        stack.push_async_callback(supervising.cancel, tasks)
+        tasks.append(supervising.task(Reconciler(db).run(), name="reconciler"))
         node_service = NodeService(db)
         for node in nodes:
             agent = NodeAgent(
@@ -228,7 +229,7 @@ async def started(
                 reports=service,
                 retry_on=(StoreError, OSError),
             )
-            tasks.append(_task(agent.run(), name=f"agent {node.name}"))
+            tasks.append(supervising.task(agent.run(), name=f"agent {node.name}"))
 
         async def ready() -> bool:
             if any(t.done() for t in tasks):
@@ -262,23 +263,6 @@ async def started(
             db=db,
             tasks=tasks,
         )
-
-
-def _task(coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
-    task = asyncio.create_task(coro, name=name)
-
-    def report(done: asyncio.Task[None]) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            log.error("%s stopped", name, exc_info=done.exception())
-
-    task.add_done_callback(report)
-    return task
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _start_postgres(data_dir: Path) -> EmbeddedPostgres:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Collection, Coroutine, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,6 +24,7 @@ import kopf
 import typer
 from aiohttp import web
 
+from bettercompute import supervising
 from bettercompute.api.app import make_app
 from bettercompute.core.errors import ComputeError
 from bettercompute.core.ports import PolicyEngine
@@ -183,12 +184,12 @@ async def started(
             await listening.payloads(db.dsn, "compute_reservation", changed)
 
         tasks: list[asyncio.Task[None]] = []
-        stack.push_async_callback(_cancel, tasks)
-        tasks.append(_task(Reconciler(db).run(), name="reconciler"))
-        tasks.append(_task(projector.run(listen=listen), name="projector"))
-        tasks.append(_task(allocations.run(), name="allocations"))
+        stack.push_async_callback(supervising.cancel, tasks)
+        tasks.append(supervising.task(Reconciler(db).run(), name="reconciler"))
+        tasks.append(supervising.task(projector.run(listen=listen), name="projector"))
+        tasks.append(supervising.task(allocations.run(), name="allocations"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
-        tasks.append(_task(events.run(), name="events"))
+        tasks.append(supervising.task(events.run(), name="events"))
 
         stop, ready = asyncio.Event(), asyncio.Event()
         kopf_task = asyncio.create_task(
@@ -272,23 +273,6 @@ async def _stop_kopf(task: asyncio.Task[None], stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(signum)
-
-
-def _task(coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
-    task = asyncio.create_task(coro, name=name)
-
-    def report(done: asyncio.Task[None]) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            log.error("%s stopped", name, exc_info=done.exception())
-
-    task.add_done_callback(report)
-    return task
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --- better-compute-operator ---------------------------------------------------------------

@@ -21,18 +21,7 @@ log = logging.getLogger(__name__)
 
 async def wake_on(dsn: str, channel: str, wake: asyncio.Event) -> None:
     """Set ``wake`` on every notification on ``channel``, until cancelled."""
-    while True:
-        try:
-            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-            async with conn:
-                await conn.execute(
-                    psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel))
-                )
-                async for _ in conn.notifies():
-                    wake.set()
-        except psycopg.OperationalError as e:
-            log.warning("lost the %s notification connection, reconnecting: %s", channel, e)
-            await asyncio.sleep(1)
+    await payloads(dsn, channel, lambda _: wake.set())
 
 
 async def payloads(dsn: str, channel: str, deliver: Callable[[str], None]) -> None:
