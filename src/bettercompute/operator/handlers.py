@@ -105,7 +105,9 @@ def make_registry() -> kopf.OperatorRegistry:
         await _runtime(memo).door.deleted(body, tenant_labels=labels)
 
     @kopf.on.mutate(*RESERVATIONS, id="stamp", operations=["CREATE"], registry=registry)
-    def reservation_stamped(patch: kopf.Patch, userinfo: kopf.UserInfo, **_: Any) -> None:
+    def reservation_stamped(patch: kopf.Patch, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
+        if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
+            return
         annotations = patch.setdefault("metadata", {}).setdefault("annotations", {})
         annotations.update(webhooks.stamps(dict(userinfo)))
 
@@ -137,10 +139,11 @@ def make_registry() -> kopf.OperatorRegistry:
             return
         await runtime.clusters.apply_pool(definition)
         runtime.applied_pools.add(name)
-        taken = await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
-        await _pool_status(runtime, body, ready=True, nodes=taken.get(name, 0))
+        await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
+        taken = sum(1 for s in runtime.applied_nodes.values() if s.pool_id == name)
+        await _pool_status(runtime, body, ready=True, nodes=taken)
 
-    @kopf.on.delete(*GPUPOOLS, registry=registry, optional=True)
+    @kopf.on.delete(*GPUPOOLS, registry=registry)
     async def pool_deleted(name: str, memo: Any, **kwargs: Any) -> None:
         runtime = _runtime(memo)
         pool_specs, node_bodies = kwargs["pool_specs"], kwargs["node_bodies"]
@@ -152,18 +155,26 @@ def make_registry() -> kopf.OperatorRegistry:
     async def node_seen(type: str, name: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
         runtime = _runtime(memo)
         pool_specs = kwargs["pool_specs"]
+        before = runtime.applied_nodes.get(name)
         if type == "DELETED":
             runtime.applied_nodes.pop(name, None)
             await runtime.clusters.node_gone(name)
-            return
-        pools = {n: _first(pool_specs, n) for n in pool_specs}
-        await _apply_node(
-            runtime,
-            name,
-            body.get("metadata", {}).get("labels") or {},
-            body.get("status") or {},
-            pools,
-        )
+        else:
+            pools = {n: _first(pool_specs, n) for n in pool_specs}
+            await _apply_node(
+                runtime,
+                name,
+                body.get("metadata", {}).get("labels") or {},
+                body.get("status") or {},
+                pools,
+            )
+        after = runtime.applied_nodes.get(name)
+        old_pool = before.pool_id if before is not None else None
+        new_pool = after.pool_id if after is not None else None
+        if old_pool != new_pool:
+            for pool in (old_pool, new_pool):
+                if pool is not None and _first(pool_specs, pool) is not None:
+                    await _pool_nodes(runtime, pool)
 
     # --- DeviceAllocations: the nodes' reports ------------------------------------------------
 
@@ -200,7 +211,7 @@ async def _apply_nodes(
         else:
             pools[name] = spec
     taken: dict[str, int] = {}
-    for node in node_bodies:
+    for node in list(node_bodies):  # the index changes while we await
         seen = _first(node_bodies, node) or {}
         pool = await _apply_node(
             runtime, node, seen.get("labels") or {}, seen.get("status") or {}, pools
@@ -234,6 +245,12 @@ async def _apply_node(
         await runtime.clusters.apply_node(spec)
         runtime.applied_nodes[name] = spec
     return pool_name
+
+
+async def _pool_nodes(runtime: Runtime, pool: str) -> None:
+    """Keep a pool's ``status.nodes`` right when a node joins or leaves it."""
+    count = sum(1 for spec in runtime.applied_nodes.values() if spec.pool_id == pool)
+    await runtime.kube.patch(resources.GPUPOOLS, pool, {"status": {"nodes": count}}, status=True)
 
 
 async def _pool_status(

@@ -264,7 +264,8 @@ async def _run_kopf(
 async def _stop_kopf(task: asyncio.Task[None], stop: asyncio.Event) -> None:
     stop.set()
     try:
-        await asyncio.wait_for(asyncio.shield(task), timeout=10)
+        async with asyncio.timeout(10):  # not wait_for: on 3.11 it can swallow a cancellation
+            await asyncio.shield(task)
     except TimeoutError:
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -63,7 +63,8 @@ class EventDelivery:
                     log.warning("event delivery to %s failed, retrying: %s", self.subscriber, e)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+                    async with asyncio.timeout(self.poll_s):
+                        await self._wake.wait()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -49,7 +49,8 @@ class Reconciler:
                 timeout = MAX_IDLE_S if due is None else min(MAX_IDLE_S, due)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
