@@ -8,8 +8,12 @@ Modules: ``inventory`` (the node's GPUs), ``devicefiles`` (CDI spec and env file
 ``allocations`` (what the node holds and advertises), ``serving`` (the kubelet's gRPC servers),
 ``registering`` (Register, and again after a kubelet restart), ``podresources`` (which pods hold
 devices), ``signing`` (the node key and signed reports), ``converging`` (the agent's core, with
-ports to Kubernetes), ``metrics`` and ``running`` (everything wired in order).
+ports to Kubernetes), ``metrics`` and ``running`` (everything the kubelet sees, wired in order).
+The Kubernetes side: ``cluster`` (credentials and a small API client), ``watching`` (the
+node's DeviceAllocations: the converger's two ports, kept by a watch), ``publishing`` (the
+node's GPUNode) and ``agent`` (the process, ``better-compute-deviceplugin``).
 
-It must never import ``store``, ``service``, ``api``, ``cli``, ``dev`` or ``sim``, nor speak to
-PostgreSQL: it talks only to the Kubernetes API and the kubelet (import-linter enforces this).
+It must never import ``store``, ``service``, ``api``, ``cli``, ``dev``, ``sim`` or
+``operator``, nor speak to PostgreSQL: it talks only to the Kubernetes API and the kubelet
+(import-linter enforces this).
 """

@@ -1,0 +1,472 @@
+"""The node agent process: ``better-compute-deviceplugin``, the DaemonSet's entry point.
+
+Why it exists: it is the composition root of the node side. ``started`` wires, in order:
+
+1. the inventory (a simulated file, else NVML), read once so a bad file stops the start with a
+   one-line error instead of a retry loop nobody reads;
+2. the node key (created on first start) and the API credentials;
+3. the HTTP server for ``/metrics`` (the ``CollectorRegistry`` the plugin's metrics use),
+   ``/healthz`` (the process answers) and ``/readyz`` (registered with the kubelet for every
+   resource and the first converger pass done);
+4. the GPUNode (``publishing``), created if missing: while the API cannot be reached the agent
+   says so and retries with backoff;
+5. the ``NodePlugin`` (converger, kubelet servers, registration) over the DeviceAllocation
+   adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher.
+
+``main`` reads flags with environment fallbacks and runs until SIGTERM or Ctrl-C; it stops the
+kubelet servers, marks the GPUNode not Ready and closes its connections before it exits.
+
+What it must never do: hold logic of its own (the parts decide), print a traceback for a
+problem a person can fix, or leave a task running after ``started`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from bettercompute.deviceplugin import converging, registering, serving
+from bettercompute.deviceplugin.allocations import RESOURCES
+from bettercompute.deviceplugin.cluster import (
+    ClusterClient,
+    ClusterError,
+    Credentials,
+    CredentialsError,
+    credentials,
+)
+from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.inventory import (
+    FileInventory,
+    InventoryError,
+    InventorySource,
+    NvmlInventory,
+)
+from bettercompute.deviceplugin.podresources import POD_RESOURCES_SOCKET, PodResourcesClient
+from bettercompute.deviceplugin.publishing import (
+    CAPABILITIES,
+    HEARTBEAT_SECONDS,
+    NodePublisher,
+    parse_labels,
+)
+from bettercompute.deviceplugin.running import NodePlugin
+from bettercompute.deviceplugin.signing import NodeKey, SigningError
+from bettercompute.deviceplugin.watching import AllocationObjects
+
+log = logging.getLogger("bettercompute.deviceplugin.agent")  # the same under python -m
+
+
+class AgentError(Exception):
+    """The agent cannot start; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent is told; ``main`` fills it from flags and the environment."""
+
+    node_name: str
+    #: Where the operator writes DeviceAllocations (its own namespace).
+    namespace: str = "better-compute"
+    #: A simulated inventory (YAML or JSON); None: ask NVML.
+    inventory_file: Path | None = None
+    plugin_dir: Path = serving.DEVICE_PLUGIN_DIR
+    pod_resources_socket: Path = POD_RESOURCES_SOCKET
+    cdi_dir: Path = Path("/etc/cdi")
+    env_dir: Path = Path("/run/bcd/allocations")
+    node_key: Path = Path("/var/lib/bcd/node-key.pem")
+    #: /metrics, /healthz, /readyz; port 0 picks a free one.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400
+    #: Labels for a GPUNode the agent creates (and merged into an existing one); None: copy
+    #: the Kubernetes Node's labels when the agent may read them.
+    node_labels: Mapping[str, str] | None = None
+    capabilities: tuple[str, ...] = CAPABILITIES
+    #: An explicit API server (tests, a proxy), else $KUBECONFIG, else the service account.
+    api_server: str | None = None
+    api_token: str | None = None
+    kubeconfig: Path | None = None
+    heartbeat_s: float = HEARTBEAT_SECONDS
+    inventory_interval_s: float = 5.0
+    pass_seconds: float = converging.PASS_SECONDS
+    register_poll_seconds: float = registering.POLL_SECONDS
+
+
+@dataclasses.dataclass
+class Agent:
+    """A running agent: its parts and the URL of its HTTP server."""
+
+    config: AgentConfig
+    plugin: NodePlugin
+    publisher: NodePublisher
+    objects: AllocationObjects
+    client: ClusterClient
+    registry: CollectorRegistry
+    url: str
+    tasks: list[asyncio.Task[None]]
+
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` fails, or None when ready."""
+        if not self.plugin.rebuilt.is_set():
+            return "the first pass over the node's DeviceAllocations has not completed"
+        kubelet = registering.identity(self.plugin.registrar.kubelet_socket)
+        done = {name for name, seen in self.plugin.registrar.registrations if seen == kubelet}
+        missing = [r.name for r in RESOURCES if kubelet is None or r.name not in done]
+        if missing:
+            return f"not registered with the kubelet for {', '.join(missing)}"
+        return None
+
+
+def inventory_source(config: AgentConfig) -> InventorySource:
+    if config.inventory_file is not None:
+        return FileInventory(path=config.inventory_file, node_name=config.node_name)
+    return NvmlInventory(node_name=config.node_name)
+
+
+def _credentials(config: AgentConfig) -> Credentials:
+    try:
+        return credentials(
+            api_server=config.api_server, api_token=config.api_token, kubeconfig=config.kubeconfig
+        )
+    except CredentialsError as e:
+        raise AgentError(str(e)) from e
+
+
+@contextlib.asynccontextmanager
+async def started(config: AgentConfig) -> AsyncIterator[Agent]:
+    """The agent, running while the block runs; everything stops when it ends."""
+    if not config.plugin_dir.is_dir():
+        raise AgentError(
+            f"no device-plugin folder {config.plugin_dir}: mount the kubelet's "
+            "/var/lib/kubelet/device-plugins there, or give --plugin-dir"
+        )
+    source = inventory_source(config)
+    try:
+        inventory = await asyncio.to_thread(source.read)
+    except InventoryError as e:
+        raise AgentError(f"cannot read the GPU inventory: {e}") from e
+    try:
+        key = await asyncio.to_thread(NodeKey.load_or_create, config.node_key)
+    except SigningError as e:
+        raise AgentError(str(e)) from e
+    found = _credentials(config)
+    log.info(
+        "node %s: %d GPUs; node key %s; Kubernetes API %s from %s",
+        config.node_name,
+        len(inventory.gpus),
+        key.key_id,
+        found.server,
+        found.source,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        client = ClusterClient(credentials=found)
+        stack.push_async_callback(client.close)
+        registry = CollectorRegistry()
+        objects = AllocationObjects(
+            client=client, namespace=config.namespace, node_name=config.node_name
+        )
+        plugin = NodePlugin(
+            node_name=config.node_name,
+            inventory_source=source,
+            desired=objects,
+            reporter=objects,
+            key=key,
+            files=DeviceFiles(config.cdi_dir, cdi_dir=config.cdi_dir, env_dir=config.env_dir),
+            registry=registry,
+            plugin_dir=config.plugin_dir,
+            pods=PodResourcesClient(socket_path=config.pod_resources_socket),
+            pass_seconds=config.pass_seconds,
+            inventory_interval_s=config.inventory_interval_s,
+            register_poll_seconds=config.register_poll_seconds,
+            retry_on=(OSError, ClusterError),
+        )
+        plugin.allocations.set_inventory(inventory)
+        publisher = NodePublisher(
+            client=client,
+            node_name=config.node_name,
+            registry=registry,
+            labels=config.node_labels,
+            capabilities=config.capabilities,
+            heartbeat_s=config.heartbeat_s,
+        )
+        tasks: list[asyncio.Task[None]] = []
+        agent = Agent(
+            config=config,
+            plugin=plugin,
+            publisher=publisher,
+            objects=objects,
+            client=client,
+            registry=registry,
+            url="",
+            tasks=tasks,
+        )
+        agent.url = await _serve_http(agent, stack)
+        await publisher.connect()
+
+        stack.push_async_callback(publisher.stopped)
+        stack.push_async_callback(_stop_servers, plugin)
+        stack.push_async_callback(_cancel, tasks)
+        tasks.append(_task(objects.follow(wake=plugin.converger.wake), name="allocation-watch"))
+        tasks.append(_task(plugin.run(), name="node-plugin"))
+        tasks.append(_task(publisher.run(allocations=plugin.allocations), name="gpunode"))
+        yield agent
+
+
+async def _serve_http(agent: Agent, stack: contextlib.AsyncExitStack) -> str:
+    async def metrics(_: web.Request) -> web.Response:
+        # On the loop, not in a thread: the gauges read Allocations, which only the loop
+        # changes, and a scrape is a few hundred bytes.
+        body = generate_latest(agent.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        problem = agent.not_ready()
+        if problem is not None:
+            return web.Response(status=503, text=f"not ready: {problem}\n")
+        return web.Response(text="ready\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    host, port = agent.config.metrics_host, agent.config.metrics_port
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        raise AgentError(f"cannot serve /metrics on {host}:{port}: {e.strerror or e}") from e
+    bound = int(runner.addresses[0][1])
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    url = f"http://{shown}:{bound}"
+    log.info("serving /metrics, /healthz and /readyz on %s", url)
+    return url
+
+
+def _task(coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+    task = asyncio.create_task(coro, name=name)
+
+    def report(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.error("%s stopped", name, exc_info=done.exception())
+
+    task.add_done_callback(report)
+    return task
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stop_servers(plugin: NodePlugin) -> None:
+    for server in plugin.servers:
+        await server.stop()
+
+
+# --- better-compute-deviceplugin -------------------------------------------------------------
+
+cli = typer.Typer(add_completion=False)
+
+
+def _labels(text: str | None) -> dict[str, str] | None:
+    if text is None:
+        return None
+    try:
+        return parse_labels(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--node-labels") from None
+
+
+@cli.command()
+def run(
+    node_name: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NODE_NAME",
+            help="This node's name, as Kubernetes knows it (set it from spec.nodeName).",
+            show_default=False,
+        ),
+    ] = None,
+    namespace: Annotated[
+        str,
+        typer.Option(envvar="POD_NAMESPACE", help="The operator's namespace (DeviceAllocations)."),
+    ] = "better-compute",
+    inventory_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="BCD_INVENTORY_FILE",
+            help="A simulated GPU inventory (YAML, or JSON by its .json name) for a machine "
+            "without GPUs; without it the agent asks the NVIDIA driver (NVML).",
+        ),
+    ] = None,
+    plugin_dir: Annotated[
+        Path,
+        typer.Option(envvar="BCD_DEVICE_PLUGIN_DIR", help="The kubelet's device-plugin folder."),
+    ] = serving.DEVICE_PLUGIN_DIR,
+    pod_resources_socket: Annotated[
+        Path,
+        typer.Option(envvar="BCD_POD_RESOURCES_SOCKET", help="The kubelet's PodResources socket."),
+    ] = POD_RESOURCES_SOCKET,
+    cdi_dir: Annotated[
+        Path, typer.Option(envvar="BCD_CDI_DIR", help="Where CDI specs are written.")
+    ] = Path("/etc/cdi"),
+    env_dir: Annotated[
+        Path, typer.Option(envvar="BCD_ENV_DIR", help="Where allocation env files are written.")
+    ] = Path("/run/bcd/allocations"),
+    node_key: Annotated[
+        Path,
+        typer.Option(
+            envvar="BCD_NODE_KEY",
+            help="The node's Ed25519 key (PEM, mode 0600), created on first start; it signs "
+            "every report. Keep it on the host.",
+        ),
+    ] = Path("/var/lib/bcd/node-key.pem"),
+    metrics_port: Annotated[
+        int,
+        typer.Option(envvar="BCD_METRICS_PORT", help="Port of /metrics, /healthz and /readyz."),
+    ] = 9400,
+    metrics_host: Annotated[
+        str, typer.Option(envvar="BCD_METRICS_HOST", help="Address of /metrics and the probes.")
+    ] = "0.0.0.0",
+    node_labels: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BCD_NODE_LABELS",
+            help="Labels for this node's GPUNode, such as bcd.dev/pool=h100 (a GPUPool's "
+            "nodeSelector matches them), comma-separated. Without it a new GPUNode copies the "
+            "Kubernetes Node's labels, when the agent may read Nodes.",
+            show_default=False,
+        ),
+    ] = None,
+    heartbeat_seconds: Annotated[
+        float,
+        typer.Option(envvar="BCD_HEARTBEAT_SECONDS", help="How often GPUNode status is rewritten."),
+    ] = HEARTBEAT_SECONDS,
+    api_server: Annotated[
+        str | None,
+        typer.Option(envvar="BCD_API_SERVER", help="Kubernetes API server URL (overrides all)."),
+    ] = None,
+    api_token: Annotated[
+        str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
+    ] = None,
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KUBECONFIG",
+            help="A kubeconfig (token or client certificate; exec plugins are not run). "
+            "Without this or --api-server the pod's service account is used.",
+        ),
+    ] = None,
+) -> None:
+    """Run the node agent of a GPU node until SIGTERM or Ctrl-C (a DaemonSet's pod).
+
+    It publishes the node's GPUs on its GPUNode (created if missing), follows the node's
+    DeviceAllocations in the operator's namespace, writes each allocation's CDI spec and env
+    file, advertises the devices of `binding: kubernetes` allocations to the kubelet as
+    bcd.dev/gpu, bcd.dev/gpu.mig and bcd.dev/gpu.slot, keeps released devices booked while
+    pods hold them, and reports every allocation on its DeviceAllocation, signed with the
+    node key.
+
+    It needs the kubelet's device-plugin folder and PodResources socket, write access to the
+    CDI and env folders, and RBAC to get, list and watch deviceallocations, patch
+    deviceallocations/status, get, create and patch gpunodes and gpunodes/status (and get
+    nodes, to copy their labels).
+
+    Without a GPU, write a simulated inventory (gpus: [{uuid, index, model, memoryMiB,
+    numaNode, nvlinkPeers, healthy, mig}]) and point the folders somewhere harmless:
+
+    better-compute-deviceplugin --node-name gpu-node-1 --inventory-file node.yaml
+    --plugin-dir /tmp/plugins --pod-resources-socket /tmp/pod-resources.sock --cdi-dir /tmp/cdi
+    --env-dir /tmp/env --node-key /tmp/node-key.pem --node-labels bcd.dev/pool=h100
+
+    Exit status: 0 after a clean stop; 1 when the agent cannot start or a part of it failed
+    (the message says why); 2 for a missing node name or a bad flag.
+    """
+    if not node_name:
+        typer.echo("Error: no node name: give --node-name or set NODE_NAME", err=True)
+        raise typer.Exit(2)
+    logging.basicConfig(
+        level=os.environ.get("LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = AgentConfig(
+        node_name=node_name,
+        namespace=namespace,
+        inventory_file=inventory_file,
+        plugin_dir=plugin_dir,
+        pod_resources_socket=pod_resources_socket,
+        cdi_dir=cdi_dir,
+        env_dir=env_dir,
+        node_key=node_key,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        node_labels=_labels(node_labels),
+        heartbeat_s=heartbeat_seconds,
+        api_server=api_server,
+        api_token=api_token,
+        kubeconfig=kubeconfig,
+    )
+    try:
+        failed = asyncio.run(_serve(config))
+    except AgentError as e:
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        failed = False
+    if failed:
+        raise typer.Exit(1)
+
+
+async def _serve(config: AgentConfig) -> bool:
+    """Run until a signal; whether a part of the agent failed on its own."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await _run_until(config, stop)
+
+
+async def _run_until(config: AgentConfig, stop: asyncio.Event) -> bool:
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            entering = asyncio.create_task(stack.enter_async_context(started(config)))
+            await asyncio.wait({entering, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not entering.done():  # stopped while still connecting
+                entering.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await entering
+                return False
+            agent = entering.result()
+            await asyncio.wait([stopping, *agent.tasks], return_when=asyncio.FIRST_COMPLETED)
+            crashed = [t for t in agent.tasks if t.done()]
+            if crashed:
+                log.error("stopping: %s ended", ", ".join(t.get_name() for t in crashed))
+            else:
+                log.info("stopping")
+            return bool(crashed)
+    finally:
+        stopping.cancel()
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":  # python -m bettercompute.deviceplugin.agent
+    main()

@@ -1,0 +1,263 @@
+"""The node's Kubernetes side piece by piece against the API stand-in over HTTP: credentials,
+the DeviceAllocation adapter (list, watch, resume, report) and the GPUNode publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from bettercompute.deviceplugin.agent import started
+from bettercompute.deviceplugin.allocations import Allocations
+from bettercompute.deviceplugin.cluster import (
+    ClusterClient,
+    ClusterError,
+    Credentials,
+    CredentialsError,
+    credentials,
+    read_kubeconfig,
+)
+from bettercompute.deviceplugin.publishing import NodePublisher, parse_labels
+from bettercompute.deviceplugin.watching import AllocationObjects
+from tests.deviceplugin import agents
+from tests.deviceplugin.agents import OPERATOR_NAMESPACE as NS
+from tests.deviceplugin.conftest import NODE, Node, allocation_spec, inventory
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUNODES, Ref
+from tests.support.kubeserver import KubeApi
+
+NODES = Ref(group="", version="v1", plural="nodes", namespaced=False)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def client(kube_api: KubeApi) -> AsyncIterator[ClusterClient]:
+    async with ClusterClient(credentials=read_kubeconfig(kube_api.kubeconfig)) as opened:
+        yield opened
+
+
+def publisher(client: ClusterClient, **options) -> NodePublisher:
+    return NodePublisher(client=client, node_name=NODE, registry=CollectorRegistry(), **options)
+
+
+# --- credentials -------------------------------------------------------------------------------
+
+
+def test_credentials_come_from_the_flag_then_kubeconfig_then_the_service_account(
+    tmp_path: Path,
+):
+    account = tmp_path / "sa"
+    account.mkdir()
+    (account / "token").write_text("sa-token\n")
+    (account / "ca.crt").write_text("not read here")
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}
+
+    explicit = credentials(api_server="http://127.0.0.1:1/", api_token="t", environ=env)
+    assert (explicit.server, explicit.token) == ("http://127.0.0.1:1", "t")
+
+    in_pod = credentials(service_account_dir=account, environ=env)
+    assert in_pod.server == "https://[fd00::1]:6443"
+    assert (in_pod.token_file, in_pod.ca_file) == (account / "token", account / "ca.crt")
+    assert credentials(service_account_dir=account, environ={}).server == (
+        "https://kubernetes.default.svc"
+    )
+
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [
+                    {
+                        "name": "k",
+                        "cluster": {"server": "https://k:6443", "certificate-authority": "ca.pem"},
+                    }
+                ],
+                "users": [{"name": "u", "user": {"tokenFile": "token"}}],
+            }
+        )
+    )
+    from_file = credentials(service_account_dir=account, environ={**env, "KUBECONFIG": str(config)})
+    assert from_file.server == "https://k:6443"
+    assert (from_file.ca_file, from_file.token_file) == (tmp_path / "ca.pem", tmp_path / "token")
+
+    with pytest.raises(CredentialsError, match="no Kubernetes API server"):
+        credentials(service_account_dir=tmp_path / "none", environ={"HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize(
+    ("document", "problem"),
+    [
+        ("[a, b", "not valid YAML"),
+        ("{}", "current-context is not set"),
+        ("{current-context: x, contexts: []}", "contexts: no entry named 'x'"),
+        (
+            "{current-context: c, contexts: [{name: c, context: {cluster: k, user: u}}],"
+            " clusters: [{name: k, cluster: {server: 'https://k'}}],"
+            " users: [{name: u, user: {exec: {command: aws}}}]}",
+            "uses an exec plugin, which the device plugin does not run",
+        ),
+    ],
+)
+def test_a_kubeconfig_it_cannot_use_is_a_clear_error(tmp_path: Path, document: str, problem: str):
+    path = tmp_path / "kubeconfig"
+    path.write_text(document)
+    with pytest.raises(CredentialsError, match=problem):
+        read_kubeconfig(path)
+
+
+# --- DeviceAllocations -------------------------------------------------------------------------
+
+
+async def test_an_unreachable_api_is_an_error_never_an_empty_list():
+    unreachable = Credentials(server=f"http://127.0.0.1:{closed_port()}", source="test")
+    async with ClusterClient(credentials=unreachable) as client:
+        objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
+        with pytest.raises(ClusterError) as failed:
+            await objects.desired()
+    assert failed.value.status == 0
+    assert failed.value.reason == "Unreachable"
+
+
+async def test_the_watch_resumes_from_the_last_version_it_saw(
+    kube_api: KubeApi, client: ClusterClient
+):
+    objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
+    woken = asyncio.Event()
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_w1", ["GPU-0"])))
+
+    async def follow_until(count: int) -> None:
+        task = asyncio.create_task(objects.follow(wake=woken.set))
+        try:
+            async with asyncio.timeout(2):
+                while objects.events < count:
+                    woken.clear()
+                    await woken.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    assert [s["allocationId"] for s in await objects.desired()] == ["alloc_w1"]  # a list
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_w2", ["GPU-1"])))
+    await follow_until(1)
+
+    # While nobody watches: one created, one deleted, one for another node.
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_w3", ["GPU-2"])))
+    await kube_api.delete(DEVICEALLOCATIONS, NS, "alloc-w1")
+    other = allocation_spec("alloc_x", ["GPU-3"])
+    await kube_api.create(agents.device_allocation(other, node="gpu-node-2"))
+    # Resumed, not listed again: exactly the two changes of this node's objects arrive.
+    await follow_until(3)
+    assert objects.events == 3
+    assert [s["allocationId"] for s in await objects.desired()] == ["alloc_w2", "alloc_w3"]
+
+
+async def test_the_watch_binds_at_once_not_at_the_next_pass(kube_api: KubeApi, kubelet_node: Node):
+    config = agents.agent_config(kube=kube_api, node=kubelet_node, pass_seconds=30.0)
+    async with started(config) as agent:
+        await agent.plugin.rebuilt.wait()
+        await kube_api.create(agents.device_allocation(allocation_spec("alloc_f1", ["GPU-4"])))
+        await kube_api.wait_for(
+            DEVICEALLOCATIONS, NS, "alloc-f1", agents.phase_is("Bound"), timeout=2.0
+        )
+
+
+async def test_a_report_without_an_object_is_dropped(client: ClusterClient):
+    objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
+    await objects.report(allocation_id="alloc_gone", status={"phase": "Released"})
+
+
+# --- GPUNode -----------------------------------------------------------------------------------
+
+
+async def test_a_new_gpunode_copies_the_node_labels_when_it_may_read_the_node(
+    kube_api: KubeApi, client: ClusterClient
+):
+    kube_api.emulator.declare(NODES, kind="Node")
+    await kube_api.create(
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"zone": "a"}}}
+    )
+    await publisher(client).connect()
+    assert kube_api.stored(GPUNODES, None, NODE)["metadata"]["labels"] == {"zone": "a"}
+
+
+@pytest.mark.parametrize("forbidden", [False, True])
+async def test_without_a_readable_node_the_gpunode_has_no_labels(
+    kube_api: KubeApi, client: ClusterClient, forbidden: bool, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.INFO, logger="bettercompute.deviceplugin.publishing")
+    # No Node resource here: the stand-in answers 404, as for a Node that is not there; or
+    # 403, as for an agent without RBAC to get nodes.
+    if forbidden:
+        kube_api.emulator[f"get /api/v1/nodes/{NODE}"] << 403
+    await publisher(client).connect()
+    gpunode = kube_api.stored(GPUNODES, None, NODE)
+    assert gpunode["metadata"].get("labels") in (None, {})
+    said = f"cannot read Node {NODE}" if forbidden else f"no Node {NODE}"
+    assert said in caplog.text
+
+
+async def test_given_labels_are_merged_into_an_existing_gpunode(
+    kube_api: KubeApi, client: ClusterClient
+):
+    await kube_api.create(
+        {
+            "apiVersion": GPUNODES.api_version,
+            "kind": "GPUNode",
+            "metadata": {"name": NODE, "labels": {"team": "ml", "bcd.dev/pool": "old"}},
+            "spec": {},
+        }
+    )
+    await publisher(client, labels=parse_labels("bcd.dev/pool=h100")).connect()
+    labels = kube_api.stored(GPUNODES, None, NODE)["metadata"]["labels"]
+    assert labels == {"team": "ml", "bcd.dev/pool": "h100"}
+
+
+def test_node_labels_parse_or_name_the_bad_entry():
+    assert parse_labels(" a=1, b.io/c=2 ,") == {"a": "1", "b.io/c": "2"}
+    with pytest.raises(ValueError, match="'oops' is not key=value"):
+        parse_labels("a=1,oops")
+
+
+async def test_heartbeats_a_deleted_gpunode_and_a_clean_stop(
+    kube_api: KubeApi, client: ClusterClient
+):
+    moments = iter(range(1_790_000_000, 1_790_100_000, 30))
+    node = publisher(client, heartbeat_s=0.02, clock=lambda: float(next(moments)))
+    await node.connect()
+    allocations = Allocations()
+    allocations.set_inventory(inventory())
+    task = asyncio.create_task(node.run(allocations=allocations))
+    try:
+        first = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+        since = agents.ready_condition(first)["lastTransitionTime"]
+        beat = first["status"]["heartbeatTime"]
+        # The heartbeat moves on; Ready's transition time does not.
+        later = await agents.wait_gpunode(kube_api, lambda o: o["status"]["heartbeatTime"] != beat)
+        assert agents.ready_condition(later)["lastTransitionTime"] == since
+        # Deleted under the agent's feet: the next heartbeat creates it again.
+        await kube_api.delete(GPUNODES, None, NODE)
+        again = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+        assert again["status"]["gpus"] == 5
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await node.stopped()
+    stopped = agents.ready_condition(kube_api.stored(GPUNODES, None, NODE))
+    assert (stopped["status"], stopped["reason"]) == ("False", "AgentStopped")
+    with pytest.raises(ClusterError, match="404"):
+        await client.merge_patch("/apis/bcd.dev/v1alpha1/gpunodes/nowhere/status", {})
