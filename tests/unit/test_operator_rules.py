@@ -353,3 +353,13 @@ def test_webhook_verdicts(operation, new, old, problem):
     else:
         assert found is not None
         assert problem in found
+
+
+def test_a_node_whose_agent_stopped_heartbeating_is_not_connected():
+    status = {**_gpunode_status(), "heartbeatTime": "2026-12-02T00:00:00Z"}
+    beat = 1_796_169_600.0  # 2026-12-02T00:00:00Z
+    fresh = definitions.node_spec("n1", labels={}, status=status, pool=_pool(), now_s=beat + 60)
+    stale = definitions.node_spec("n1", labels={}, status=status, pool=_pool(), now_s=beat + 91)
+    assert fresh.connected
+    assert not stale.connected
+    assert stale.ready  # its Ready condition still stands; it only takes no new work

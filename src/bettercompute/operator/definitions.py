@@ -11,6 +11,7 @@ table without a cluster. Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -152,6 +153,7 @@ def node_spec(
     labels: Mapping[str, str],
     status: Mapping[str, Any],
     pool: PoolDefinition | None,
+    now_s: float | None = None,
 ) -> NodeSpec:
     """The node's bookable atoms for the pool that takes it (none without a pool)."""
     inventory = status.get("inventory") or {}
@@ -170,7 +172,7 @@ def node_spec(
         atoms=atoms,
         labels=node_labels,
         ready=_ready(status),
-        connected=_ready(status),
+        connected=_ready(status) and _fresh(status, now_s=now_s),
         resources={k: v for k, v in (inventory.get("host") or {}).items() if v is not None},
     )
 
@@ -179,6 +181,24 @@ _CAPABILITY_LABELS = {
     "binding.kubernetes": pools.CAP_BINDING_KUBERNETES,
     "devices.limits": pools.CAP_DEVICES_LIMITS,
 }
+
+
+#: A node agent heartbeats every 30 s; three missed beats and the node counts as not connected
+#: (it takes no new work; its bookings stay, as the guide's principle P6 asks).
+STALE_AFTER_S = 90.0
+
+
+def _fresh(status: Mapping[str, Any], *, now_s: float | None) -> bool:
+    """The agent's last heartbeat is recent (a status without one, or no clock, counts as
+    fresh: an agent that never heartbeats is judged by its Ready condition alone)."""
+    beat = status.get("heartbeatTime")
+    if now_s is None or not beat:
+        return True
+    try:
+        at = dt.datetime.fromisoformat(str(beat).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return False
+    return now_s - at <= STALE_AFTER_S
 
 
 def _ready(status: Mapping[str, Any]) -> bool:

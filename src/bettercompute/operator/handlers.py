@@ -15,6 +15,7 @@ handlers call, which are tested without kopf.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -176,6 +177,13 @@ def make_registry() -> kopf.OperatorRegistry:
                 if pool is not None and _first(pool_specs, pool) is not None:
                     await _pool_nodes(runtime, pool)
 
+    @kopf.timer(*GPUNODES, interval=30.0, idle=30.0, registry=registry)
+    async def node_heartbeat_checked(name: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+        # An agent that died without a word sends no more events: re-judge its heartbeat.
+        pools = {n: _first(kwargs["pool_specs"], n) for n in kwargs["pool_specs"]}
+        labels = body.get("metadata", {}).get("labels") or {}
+        await _apply_node(_runtime(memo), name, labels, body.get("status") or {}, pools)
+
     # --- DeviceAllocations: the nodes' reports ------------------------------------------------
 
     @kopf.on.event(*DEVICE_ALLOCATIONS, registry=registry)
@@ -240,7 +248,7 @@ async def _apply_node(
         # The GPUNode's event may come before the GPUPool's handler wrote the pool.
         await runtime.clusters.apply_pool(pool)
         runtime.applied_pools.add(pool.pool_id)
-    spec = definitions.node_spec(name, labels=labels, status=status, pool=pool)
+    spec = definitions.node_spec(name, labels=labels, status=status, pool=pool, now_s=time.time())
     if runtime.applied_nodes.get(name) != spec:
         await runtime.clusters.apply_node(spec)
         runtime.applied_nodes[name] = spec
