@@ -1,0 +1,52 @@
+# syntax=docker/dockerfile:1
+#
+# One image, two entry points: `better-compute-operator` (the default command: kopf handlers,
+# admission webhooks, reconciler, HTTP API) and `better-compute-deviceplugin` (the node agent;
+# the Helm chart's DaemonSet sets the command and runs it as root, because it writes host paths).
+#
+#   docker build -t better-compute:0.1.0 --build-arg VERSION=0.1.0 --build-arg SOURCE=<repo URL> .
+#
+# The base is pinned by version tag. It is not pinned by digest: no registry could be reached
+# where this file was written, so no digest could be read honestly. Pin one in your build
+# (--build-arg PYTHON_IMAGE=python:3.11.14-slim-trixie@sha256:…) once you have pulled it.
+ARG PYTHON_IMAGE=python:3.11.14-slim-trixie
+
+# --- build: our wheel and every dependency's, installed into a virtual environment ----------
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+# Binary wheels only for the dependencies (no compiler is needed, and none is used); ours is
+# built from the source tree with setuptools, here and nowhere else.
+RUN python -m pip wheel --wheel-dir /wheels --prefer-binary . \
+ && python -m venv /opt/bcd \
+ && /opt/bcd/bin/pip install --no-index --find-links /wheels better-compute \
+ && /opt/bcd/bin/python -m compileall -q /opt/bcd/lib \
+ && /opt/bcd/bin/pip uninstall --yes pip setuptools
+
+# --- runtime: the virtual environment on a clean base, nothing to build with -----------------
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+ARG SOURCE=""
+LABEL org.opencontainers.image.title="better-compute" \
+      org.opencontainers.image.description="GPU reservations for Kubernetes: the operator and the device plugin" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# The base's own pip and setuptools go too: nothing is installed at run time. A fixed uid with a
+# passwd entry, so that getpass and the chart's runAsUser agree.
+RUN python -m pip uninstall --yes --disable-pip-version-check pip setuptools wheel \
+ && groupadd --system --gid 10001 bcd \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
+      --shell /usr/sbin/nologin bcd
+COPY --from=build /opt/bcd /opt/bcd
+ENV PATH=/opt/bcd/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+# No ENTRYPOINT, so `docker run IMAGE better-compute-deviceplugin --help` works as well as the
+# default; no HEALTHCHECK: Kubernetes probes /healthz and /readyz.
+CMD ["better-compute-operator"]

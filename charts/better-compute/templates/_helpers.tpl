@@ -1,0 +1,117 @@
+{{/*
+Names, labels and small values every template shares. Nothing here renders an object.
+*/}}
+
+{{- define "bcd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's prefix for every object name (cluster-scoped ones included). */}}
+{{- define "bcd.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "bcd.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "bcd.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: better-compute
+{{- end }}
+
+{{/* Selector labels of one component: include "bcd.selectorLabels" (list . "operator") */}}
+{{- define "bcd.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "bcd.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "bcd.componentLabels" -}}
+{{ include "bcd.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* repository:tag, or repository@digest when a digest is given. */}}
+{{- define "bcd.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "bcd.operatorName" -}}
+{{- printf "%s-operator" (include "bcd.fullname" .) }}
+{{- end }}
+
+{{- define "bcd.devicePluginName" -}}
+{{- printf "%s-device-plugin" (include "bcd.fullname" .) }}
+{{- end }}
+
+{{/* The Service in front of the operator: HTTP API and webhooks. */}}
+{{- define "bcd.serviceName" -}}
+{{- include "bcd.fullname" . }}
+{{- end }}
+
+{{- define "bcd.webhookSecretName" -}}
+{{- printf "%s-webhook-tls" (include "bcd.fullname" .) }}
+{{- end }}
+
+{{- define "bcd.policiesName" -}}
+{{- printf "%s-policies" (include "bcd.fullname" .) }}
+{{- end }}
+
+{{/* The Secret holding DATABASE_URL and its key: the chart's own when database.url is set. */}}
+{{- define "bcd.databaseSecretName" -}}
+{{- if .Values.database.url }}
+{{- printf "%s-database" (include "bcd.fullname" .) }}
+{{- else }}
+{{- default (printf "%s-database" (include "bcd.fullname" .)) .Values.database.existingSecret.name }}
+{{- end }}
+{{- end }}
+
+{{- define "bcd.databaseSecretKey" -}}
+{{- if .Values.database.url }}url{{ else }}{{ .Values.database.existingSecret.key }}{{ end }}
+{{- end }}
+
+{{/* The pod securityContext both workloads share, less the user (theirs differ). */}}
+{{- define "bcd.seccomp" -}}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "bcd.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end }}
+
+{{/* Where the operator reads its Cedar policy files: BCD_POLICY_FILES, colon-separated. */}}
+{{- define "bcd.policyFiles" -}}
+{{- $paths := list }}
+{{- range $name, $_ := .Values.policies.files }}
+{{- $paths = append $paths (printf "/etc/bcd/policies/%s.cedar" $name) }}
+{{- end }}
+{{- join ":" $paths }}
+{{- end }}
+
+{{/* BCD_NODE_LABELS: k=v pairs, comma-separated, in key order. */}}
+{{- define "bcd.nodeLabels" -}}
+{{- $pairs := list }}
+{{- range $key, $value := . }}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}

@@ -1,0 +1,89 @@
+"""The manifests in examples/: each is an object the API server accepts (the Kubernetes schema,
+or our CRDs), each Reservation passes the validating webhook's checks (the core's own request
+validation), each GPUPool is one the operator accepts, and the ``binding: kubernetes`` example's
+Pod asks for the devices its Reservation books.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bettercompute.operator import definitions, resources, webhooks
+from tests.chart import rendering
+
+EXAMPLES = rendering.load_examples()
+
+
+def _ids() -> list[str]:
+    return [f"{name}:{obj['kind']}/{obj['metadata']['name']}" for name, obj in EXAMPLES]
+
+
+def test_the_examples_are_the_ones_the_readme_promises():
+    kinds = {(name, obj["kind"]) for name, obj in EXAMPLES}
+    assert ("gpupool.yaml", "GPUPool") in kinds
+    assert ("reservation-nvlink.yaml", "Reservation") in kinds
+    assert ("reservation-mig.yaml", "Reservation") in kinds
+    assert {
+        ("reservation-kubernetes.yaml", "Reservation"),
+        ("reservation-kubernetes.yaml", "Pod"),
+    } <= kinds
+
+
+@pytest.mark.parametrize(("name", "obj"), EXAMPLES, ids=_ids())
+def test_every_example_is_a_valid_object(name: str, obj: dict, schemas):
+    assert rendering.problems(obj, schemas=schemas) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "obj"), [e for e in EXAMPLES if e[1]["kind"] == "Reservation"], ids=lambda e: str(e)
+)
+def test_every_example_reservation_passes_the_webhook(name: str, obj: dict):
+    assert webhooks.spec_problem(obj["spec"]) is None
+
+
+def test_every_example_pool_is_accepted_and_every_reservation_has_its_pool():
+    pools = {
+        obj["metadata"]["name"]: definitions.pool_definition(obj["metadata"]["name"], obj["spec"])
+        for _, obj in EXAMPLES
+        if obj["kind"] == "GPUPool"
+    }
+    namespaces = {
+        obj["metadata"]["name"]: obj["metadata"].get("labels", {})
+        for _, obj in EXAMPLES
+        if obj["kind"] == "Namespace"
+    }
+    for _, obj in EXAMPLES:
+        if obj["kind"] != "Reservation":
+            continue
+        pool = pools[obj["spec"]["poolId"]]
+        tenant = definitions.tenant_of(
+            obj["metadata"]["namespace"], namespaces[obj["metadata"]["namespace"]]
+        )
+        assert pool.owner_tenant_id == tenant or tenant in pool.offers
+
+
+def test_the_mig_reservation_is_for_the_mig_pool():
+    (mig,) = [o for n, o in EXAMPLES if n == "reservation-mig.yaml"]
+    (pool,) = [o for n, o in EXAMPLES if n == "gpupool-mig.yaml"]
+    assert mig["spec"]["poolId"] == pool["metadata"]["name"]
+    assert pool["spec"]["sharing"]["mode"] == "mig"
+    assert all(d["class"] == "mig" and d["profile"] for d in mig["spec"]["devices"])
+
+
+def test_the_pod_asks_for_what_its_reservation_books():
+    found = {o["kind"]: o for n, o in EXAMPLES if n == "reservation-kubernetes.yaml"}
+    reservation, pod = found["Reservation"], found["Pod"]
+    assert reservation["spec"]["binding"] == "kubernetes"
+    assert pod["metadata"]["namespace"] == reservation["metadata"]["namespace"]
+    (device,) = reservation["spec"]["devices"]
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["limits"] == {"bcd.dev/gpu": device["count"]}
+    # Its pool lets reservations hand devices to pods.
+    (pool,) = [o for n, o in EXAMPLES if n == "gpupool.yaml"]
+    assert pool["metadata"]["name"] == reservation["spec"]["poolId"]
+    assert pool["spec"]["policy"]["kubernetes"] is True
+
+
+def test_the_tenant_namespace_is_labelled():
+    (namespace,) = [o for _, o in EXAMPLES if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["labels"][resources.TENANT_LABEL] == "acme"

@@ -1,0 +1,86 @@
+"""The Dockerfile, read as text (no Docker here; tests/e2e builds it where Docker runs).
+
+It must keep the promises the chart relies on: a slim Python 3.11 base pinned by version tag,
+built in a stage of its own, a final stage that installs nothing and builds nothing, the
+non-root user the operator's pods run as, no HEALTHCHECK and no ENTRYPOINT (the chart sets the
+command), both entry points installed, the OCI labels, and a build context without the
+virtual environment, the state or the git history.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from tests.chart import rendering
+
+DOCKERFILE = (rendering.ROOT / "Dockerfile").read_text(encoding="utf-8")
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    found = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            found.append((word.upper(), rest.strip()))
+    return found
+
+
+def _stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for instruction in _instructions(DOCKERFILE):
+        if instruction[0] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(instruction)
+    return stages
+
+
+def test_the_base_is_a_pinned_slim_python_311():
+    (arg,) = [
+        a for i, a in _instructions(DOCKERFILE) if i == "ARG" and a.startswith("PYTHON_IMAGE")
+    ]
+    image = arg.split("=", 1)[1]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", image), image
+    froms = [a for i, a in _instructions(DOCKERFILE) if i == "FROM"]
+    assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+
+
+def test_the_final_stage_builds_nothing_and_runs_as_the_charts_user():
+    build, final = _stages()
+    assert any("pip wheel" in a for i, a in build if i == "RUN")
+    runs = " ".join(a for i, a in final if i == "RUN")
+    for tool in ("pip install", "apt-get", "gcc", "build-essential", "curl", "wget"):
+        assert tool not in runs, tool
+    assert ("COPY", "--from=build /opt/bcd /opt/bcd") in final
+    (user,) = [a for i, a in final if i == "USER"]
+    assert user == "10001:10001"
+    assert "useradd --system --uid 10001" in runs
+
+
+def test_no_healthcheck_no_entrypoint_and_an_installed_default_command():
+    instructions = {i for i, _ in _instructions(DOCKERFILE)}
+    assert "HEALTHCHECK" not in instructions
+    assert "ENTRYPOINT" not in instructions
+    scripts = tomllib.loads((rendering.ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"
+    ]["scripts"]
+    assert {"better-compute-operator", "better-compute-deviceplugin"} <= set(scripts)
+    (_, cmd) = next(x for x in _stages()[1] if x[0] == "CMD")
+    assert cmd == '["better-compute-operator"]'
+
+
+def test_the_labels_say_what_which_version_and_where_from():
+    labels = " ".join(a for i, a in _stages()[1] if i == "LABEL")
+    for key in ("title", "version", "source"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+
+
+def test_the_build_context_is_only_what_the_build_copies():
+    ignored = (rendering.ROOT / ".dockerignore").read_text(encoding="utf-8").split()
+    assert ignored[ignored.index("*") :][:4] == ["*", "!pyproject.toml", "!README.md", "!src/"]
+    copied = [a for i, a in _stages()[0] if i == "COPY"]
+    assert copied == ["pyproject.toml README.md ./", "src ./src"]

@@ -1,0 +1,415 @@
+"""Least privilege: the rendered RBAC is exactly the table below, and it is enough.
+
+- Exactly: every rule of both service accounts' Roles and ClusterRoles, table-driven, with the
+  caller that needs it; nothing else (no wildcard, no Secrets, no Pods).
+- Enough, by construction: kopf's needs derived from the operator's real handler registry
+  (watched kinds need list and watch, kinds with change handlers need patch).
+- Enough, by observation: the real operator and the real device plugin run one
+  ``binding: kubernetes`` reservation's whole life (placed, bound, active, released while a pod
+  holds a device, freed, deleted) against the API stand-in, each with its own token; every
+  request each one made must be allowed by its rendered RBAC (``tests/chart/authorizing.py``).
+- The device plugin's own-node ValidatingAdmissionPolicy: its CEL, evaluated with cel-python,
+  lets a node write its own objects and refuses another node's, naming the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import celpy
+import pytest
+from celpy import adapter
+
+from bettercompute.deviceplugin.agent import started as agent_started
+from bettercompute.operator import handlers
+from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.running import started as operator_started
+from bettercompute.store.database import Database
+from tests.chart import authorizing, rendering
+from tests.deviceplugin import agents
+from tests.deviceplugin.conftest import GPU, Node
+from tests.support import kubeworld
+from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
+from tests.support.kubeserver import KubeApi
+
+OPERATOR = "bc-better-compute-operator"
+DEVICE_PLUGIN = "bc-better-compute-device-plugin"
+
+# (kind, apiGroup, resource, resourceNames, verbs, who needs it)
+EXPECTED = [
+    # --- the operator, everywhere
+    ("ClusterRole", OPERATOR, "bcd.dev", "reservations", None, "list watch patch", "kopf"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpupools", None, "list watch patch", "kopf"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "reservations/status", None, "patch", "projecting.py"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpupools/status", None, "patch", "handlers.py"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
+    ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
+    ("ClusterRole", OPERATOR, "", "events", None, "create", "kubeapi.py, kopf posting"),
+    ("ClusterRole", OPERATOR, "authentication.k8s.io", "tokenreviews", None, "create", "HTTP API"),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        None,
+        "list watch",
+        "kopf resource observer",
+    ),
+    ("ClusterRole", OPERATOR, "kopf.dev", "clusterkopfpeerings", None, "list watch", "peering"),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "kopf.dev",
+        "clusterkopfpeerings",
+        ("better-compute",),
+        "patch",
+        "peering keep-alive",
+    ),
+    # --- the operator, in its namespace
+    ("Role", OPERATOR, "bcd.dev", "deviceallocations", None, "create patch delete", "allocating"),
+    # --- the device plugin, everywhere (one GPUNode and one Node: its own)
+    ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
+    ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
+    ("ClusterRole", DEVICE_PLUGIN, "", "nodes", None, "get", "publishing: Node labels"),
+    # --- the device plugin, in the operator's namespace
+    ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations", None, "list watch", "watching"),
+    ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations/status", None, "patch", "watching"),
+]
+
+
+#: Granted, and needed, on paths the observed life does not take.
+NOT_EXERCISED = {
+    OPERATOR: {
+        # kopf's resource observer: the stand-in serves no CRD API (a cluster does).
+        ("customresourcedefinitions", "list"),
+        ("customresourcedefinitions", "watch"),
+        # The HTTP API authenticates its callers; the life is driven through objects.
+        ("tokenreviews", "create"),
+    },
+    DEVICE_PLUGIN: {
+        # Without --node-labels a new GPUNode copies its Node's labels; with labels that
+        # differ from an existing GPUNode's, the agent merges them in.
+        ("nodes", "get"),
+        ("gpunodes", "patch"),
+    },
+}
+
+
+def _granted(rendered: rendering.Rendered) -> set[tuple]:
+    found = set()
+    for kind in ("Role", "ClusterRole"):
+        for role in rendered.of(kind):
+            for rule in role["rules"]:
+                names = tuple(rule["resourceNames"]) if rule.get("resourceNames") else None
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            found.add(
+                                (kind, role["metadata"]["name"], group, resource, names, verb)
+                            )
+    return found
+
+
+def _expected() -> set[tuple]:
+    return {
+        (kind, name, group, resource, names, verb)
+        for kind, name, group, resource, names, verbs, _ in EXPECTED
+        for verb in verbs.split()
+    }
+
+
+def test_the_rules_are_exactly_the_table(everything: rendering.Rendered):
+    granted = _granted(everything)
+    assert granted - _expected() == set(), "granted beyond the table"
+    assert _expected() - granted == set(), "in the table but not granted"
+
+
+def test_the_defaults_grant_the_same(defaults: rendering.Rendered, everything):
+    assert _granted(defaults) == _granted(everything)
+
+
+def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
+    for kind, _, group, resource, _, verb in _granted(everything):
+        assert "*" not in (group, resource, verb), kind
+        assert resource not in ("secrets", "pods", "configmaps"), resource
+
+
+def test_each_service_account_is_bound_to_its_own_roles_and_used(everything: rendering.Rendered):
+    for workload_kind, account in (("StatefulSet", OPERATOR), ("DaemonSet", DEVICE_PLUGIN)):
+        workload = everything.one(workload_kind)
+        assert rendering.pod_spec(workload)["serviceAccountName"] == account
+        everything.one("ServiceAccount", account)
+        for binding_kind, role_kind in (
+            ("RoleBinding", "Role"),
+            ("ClusterRoleBinding", "ClusterRole"),
+        ):
+            binding = everything.one(binding_kind, account)
+            assert binding["roleRef"] == {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": role_kind,
+                "name": account,
+            }
+            assert binding["subjects"] == [
+                {"kind": "ServiceAccount", "name": account, "namespace": rendering.NAMESPACE}
+            ]
+
+
+def test_kopfs_needs_from_the_operators_registry_are_granted(everything: rendering.Rendered):
+    registry = handlers.make_registry()
+    needs: set[tuple[str, str, str]] = set()
+    watched = (registry._indexing, registry._watching, registry._spawning, registry._changing)
+    for registered in watched:
+        for handler in registered.get_all_handlers():
+            for verb in ("list", "watch"):
+                needs.add((handler.selector.group, handler.selector.any_name, verb))
+    # Change handlers keep progress in annotations; delete handlers, timers and daemons hold a
+    # finalizer: all of it by patching the object.
+    for registered in (registry._spawning, registry._changing):
+        for handler in registered.get_all_handlers():
+            needs.add((handler.selector.group, handler.selector.any_name, "patch"))
+    cluster_wide = {
+        (group, resource, verb)
+        for kind, name, group, resource, names, verb in _granted(everything)
+        if kind == "ClusterRole" and name == OPERATOR and names is None
+    }
+    assert needs <= cluster_wide, needs - cluster_wide
+    # The webhooks need no RBAC, but they must be for the kinds the rules cover.
+    for handler in registry._webhooks.get_all_handlers():
+        assert (handler.selector.group, handler.selector.any_name, "list") in cluster_wide
+
+
+# --- observed: a whole reservation's life -------------------------------------------------
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    async with agents.standing_node() as standing:
+        yield standing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _requests_by(kube: KubeApi, token: str) -> list[authorizing.Attributes]:
+    seen = []
+    for request in kube.emulator:
+        if request.headers.get("Authorization") == f"Bearer {token}":
+            seen.append(
+                authorizing.attributes(request.method.value, request.url.path, request.params)
+            )
+    return seen
+
+
+def _state(state: str):
+    return lambda o: bool(o) and (o.get("status") or {}).get("state") == state
+
+
+def _held_by(pods: list[str]):
+    def check(o: Any) -> bool:
+        for c in ((o or {}).get("status") or {}).get("conditions") or ():
+            if c["type"] == "DevicesHeld":
+                return c.get("pods") == pods
+        return False
+
+    return check
+
+
+async def _allocation_of(kube: KubeApi, rid: str) -> dict[str, Any]:
+    async with asyncio.timeout(5):
+        while True:
+            seen = kube.emulator.revision
+            for obj in await kube.list(DEVICEALLOCATIONS, kubeworld.OPERATOR_NAMESPACE):
+                if obj["spec"]["reservationId"] == rid and obj.get("status"):
+                    return obj
+            await kube.emulator.written(since=seen)
+
+
+async def test_every_call_of_a_reservations_life_is_allowed(
+    kube_api: KubeApi, db: Database, node: Node, everything: rendering.Rendered
+):
+    await kube_api.create({**kubeworld.namespace("ml", tenant="acme")})
+    await kube_api.create(kubeworld.namespace(kubeworld.OPERATOR_NAMESPACE, tenant=None))
+    await kube_api.create(everything.one("ClusterKopfPeering"))
+    await kube_api.create(kubeworld.gpupool("h100"))
+    config = OperatorConfig(
+        database_url=db.dsn,
+        namespace=kubeworld.OPERATOR_NAMESPACE,
+        http_host="127.0.0.1",
+        http_port=0,
+        webhook_host="127.0.0.1",
+        webhook_port=_free_port(),
+        api_server=kube_api.url,
+        api_token="operator-token",
+        allocation_resync_s=3600.0,
+    )
+    node_config = agents.agent_config(kube=kube_api, node=node, api_token="plugin-token")
+    async with operator_started(config, db=db) as operator:
+        await operator.ready.wait()
+        async with agent_started(node_config):
+            await node.kubelet.wait_registered([GPU])
+            await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
+            active = await kube_api.wait_for(RESERVATIONS, "ml", "train", _state("active"))
+            allocation = await _allocation_of(kube_api, active["status"]["id"])
+            node.pod_resources.holding({"ml/trainer-0": {GPU: allocation["spec"]["deviceIds"]}})
+            await kube_api.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
+            await kube_api.wait_for(RESERVATIONS, "ml", "train", _held_by(["ml/trainer-0"]))
+            node.pod_resources.holding({})
+            name = allocation["metadata"]["name"]
+            ns = kubeworld.OPERATOR_NAMESPACE
+            await kube_api.wait_for(DEVICEALLOCATIONS, ns, name, lambda o: o is None)
+            await kube_api.delete(RESERVATIONS, "ml", "train")
+            await kube_api.wait_for(RESERVATIONS, "ml", "train", lambda o: o is None)
+
+    for account, token in ((OPERATOR, "operator-token"), (DEVICE_PLUGIN, "plugin-token")):
+        made = _requests_by(kube_api, token)
+        rbac = authorizing.authorizer_for(
+            everything.objects, namespace=rendering.NAMESPACE, name=account
+        )
+        denied = sorted({str(r) for r in made if not rbac.allows(r)})
+        assert denied == [], f"{account} made calls its RBAC does not allow"
+        # And every permission was used, but for the paths this life does not take.
+        used = {(r.full_resource, r.verb) for r in made if r.resource}
+        granted = {
+            (resource, verb)
+            for _, name, _, resource, _, verb in _granted(everything)
+            if name == account
+        }
+        assert granted - used == NOT_EXERCISED[account]
+    # And the authorizer itself refuses: the device plugin may not create allocations.
+    plugin = authorizing.authorizer_for(
+        everything.objects, namespace=rendering.NAMESPACE, name=DEVICE_PLUGIN
+    )
+    create = authorizing.attributes(
+        "POST", f"/apis/bcd.dev/v1alpha1/namespaces/{rendering.NAMESPACE}/deviceallocations", {}
+    )
+    assert not plugin.allows(create)
+    elsewhere = authorizing.attributes(
+        "GET", "/apis/bcd.dev/v1alpha1/namespaces/ml/deviceallocations", {"watch": "true"}
+    )
+    assert not plugin.allows(elsewhere)
+
+
+# --- the device plugin's own-node admission policy ------------------------------------------
+
+
+def _cel(expression: str, activation: dict[str, Any]) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expression)).evaluate(
+        {k: adapter.json_to_cel(v) for k, v in activation.items()}
+    )
+
+
+def _admit(policy: dict[str, Any], request: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """The policy's refusals of ``request`` writing ``obj`` (messages), [] when admitted."""
+    spec = policy["spec"]
+    base = {"request": request, "object": obj}
+    for condition in spec["matchConditions"]:
+        if not _cel(condition["expression"], base):
+            return []
+    variables: dict[str, Any] = {}
+    for variable in spec["variables"]:
+        variables[variable["name"]] = _cel(variable["expression"], {**base, "variables": variables})
+    activation = {**base, "variables": variables}
+    refusals = []
+    for validation in spec["validations"]:
+        if not _cel(validation["expression"], activation):
+            if "messageExpression" in validation:
+                refusals.append(str(_cel(validation["messageExpression"], activation)))
+            else:
+                refusals.append(" ".join(validation["message"].split()))
+    return refusals
+
+
+def _request(resource: str, *, node: str | None, user: str | None = None) -> dict[str, Any]:
+    extra = {} if node is None else {"authentication.kubernetes.io/node-name": [node]}
+    username = user or f"system:serviceaccount:{rendering.NAMESPACE}:{DEVICE_PLUGIN}"
+    return {
+        "operation": "UPDATE",
+        "resource": {"group": "bcd.dev", "version": "v1alpha1", "resource": resource},
+        "userInfo": {"username": username, "extra": extra},
+    }
+
+
+def _gpunode(name: str) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"gpus": 8}}
+
+
+def _allocation(node: str, reporter: str | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"metadata": {"name": "alloc-1", "labels": {"bcd.dev/node": node}}}
+    if reporter:
+        obj["status"] = {"nodeName": reporter, "phase": "Bound"}
+    return obj
+
+
+CASES = [
+    ("own GPUNode", _request("gpunodes", node="n1"), _gpunode("n1"), None),
+    (
+        "another GPUNode",
+        _request("gpunodes", node="n1"),
+        _gpunode("n2"),
+        "may write only GPUNode n1",
+    ),
+    ("own allocation", _request("deviceallocations", node="n1"), _allocation("n1", "n1"), None),
+    (
+        "another node's allocation",
+        _request("deviceallocations", node="n1"),
+        _allocation("n2"),
+        "labelled bcd.dev/node=n1",
+    ),
+    (
+        "a report as another node",
+        _request("deviceallocations", node="n1"),
+        _allocation("n1", "n2"),
+        "may report only as n1",
+    ),
+    ("a token bound to no node", _request("gpunodes", node=None), _gpunode("n1"), "bound to a pod"),
+    (
+        "someone else entirely",
+        _request("gpunodes", node=None, user="system:serviceaccount:x:y"),
+        _gpunode("n2"),
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "request_", "obj", "refusal"), CASES, ids=[c[0] for c in CASES])
+def test_the_device_plugin_writes_only_its_own_node(
+    defaults: rendering.Rendered, case: str, request_: dict, obj: dict, refusal: str | None
+):
+    policy = defaults.one("ValidatingAdmissionPolicy")
+    refusals = _admit(policy, request_, obj)
+    if refusal is None:
+        assert refusals == []
+    else:
+        assert any(refusal in r for r in refusals), refusals
+
+
+def test_the_policy_is_bound_and_matches_the_plugins_writes(defaults: rendering.Rendered):
+    policy = defaults.one("ValidatingAdmissionPolicy")
+    binding = defaults.one("ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    writes = {
+        resource
+        for kind, name, _, resource, _, verb in _granted(defaults)
+        if name == DEVICE_PLUGIN and verb in ("create", "patch", "update")
+    }
+    assert writes <= set(rule["resources"]), writes
+    assert json.dumps(policy).count(f"serviceaccount:{rendering.NAMESPACE}:{DEVICE_PLUGIN}") == 1
+
+
+def test_the_policy_can_be_turned_off(render):
+    rendered = render({"devicePlugin": {"nodeRestriction": {"enabled": False}}})
+    assert rendered.of("ValidatingAdmissionPolicy") == []
+    assert rendered.of("ValidatingAdmissionPolicyBinding") == []

@@ -1,0 +1,199 @@
+"""The admission webhooks and what routes to the operator: webhook configurations, the Service,
+the certificate (Helm's own or cert-manager's), the PodDisruptionBudget, the ServiceMonitors
+and the NetworkPolicies.
+
+The webhook configurations are checked against the operator's real kopf registry: each points
+at the Service path kopf serves for a handler id (``/stamp``, ``/check``), with that handler's
+operations, through a Service port that reaches the container port the operator is told to
+listen on. The generated certificate is checked with ``cryptography``: signed by the caBundle's
+CA, for the Service's DNS names, with the key the pods mount.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from bettercompute.operator import handlers
+from tests.chart import rendering
+
+SERVICE = "bc-better-compute"
+HOST = f"{SERVICE}.{rendering.NAMESPACE}.svc"
+SECRET = "bc-better-compute-webhook-tls"
+
+
+def _kopf_webhooks() -> dict[str, Any]:
+    """kopf's webhook handlers by kind: {"mutating": handler, "validating": handler}."""
+    found = {}
+    for handler in handlers.make_registry()._webhooks.get_all_handlers():
+        found[handler.reason.value] = handler
+    return found
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_webhook_configurations_point_at_the_service_paths_kopf_serves(
+    defaults: rendering.Rendered,
+):
+    service = defaults.one("Service", SERVICE)
+    (container,) = rendering.pod_spec(defaults.one("StatefulSet"))["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    listening = int(rendering.env_of(container)["BCD_WEBHOOK_PORT"])
+    kopf_webhooks = _kopf_webhooks()
+    for kind, reason in (
+        ("MutatingWebhookConfiguration", "mutating"),
+        ("ValidatingWebhookConfiguration", "validating"),
+    ):
+        (webhook,) = defaults.one(kind)["webhooks"]
+        handler = kopf_webhooks[reason]
+        target = webhook["clientConfig"]["service"]
+        assert (target["name"], target["namespace"]) == (SERVICE, rendering.NAMESPACE)
+        assert target["path"] == f"/{handler.id}"
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == target["port"]]
+        assert container_ports[port["targetPort"]] == listening
+        (rule,) = webhook["rules"]
+        assert rule["operations"] == list(handler.operations)
+        assert (rule["apiGroups"], rule["apiVersions"], rule["resources"]) == (
+            [handler.selector.group],
+            [handler.selector.version],
+            [handler.selector.any_name],
+        )
+        assert rule["scope"] == "Namespaced"
+        assert webhook["failurePolicy"] == "Fail"
+        assert webhook["sideEffects"] == "None"
+        assert webhook["admissionReviewVersions"] == ["v1"]
+        assert webhook["name"].endswith(".reservations.bcd.dev")
+
+
+def test_the_service_routes_to_the_operator_only(defaults: rendering.Rendered):
+    service = defaults.one("Service", SERVICE)
+    statefulset = defaults.one("StatefulSet")
+    operator_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    plugin_labels = defaults.one("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(service["spec"]["selector"], operator_labels)
+    assert not _matches(service["spec"]["selector"], plugin_labels)
+    assert statefulset["spec"]["serviceName"] == SERVICE
+    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "webhook"}
+
+
+def _b64_pem(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+def test_the_generated_certificate_is_signed_by_the_ca_bundle(defaults: rendering.Rendered):
+    secret = defaults.one("Secret", SECRET)
+    assert secret["type"] == "kubernetes.io/tls"
+    ca = x509.load_pem_x509_certificate(_b64_pem(secret["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(_b64_pem(secret["data"]["tls.crt"]))
+    key = serialization.load_pem_private_key(_b64_pem(secret["data"]["tls.key"]), password=None)
+    cert.verify_directly_issued_by(ca)
+    assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert HOST in names.get_values_for_type(x509.DNSName)
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        (webhook,) = defaults.one(kind)["webhooks"]
+        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    # The recorded expiry is the certificate's, which is what an upgrade renews by.
+    recorded = int(secret["metadata"]["annotations"]["bcd.dev/not-after"])
+    not_after = cert.not_valid_after_utc.timestamp()
+    assert abs(recorded - not_after) < 120
+    days = (cert.not_valid_after_utc - dt.datetime.now(dt.UTC)).days
+    assert 363 <= days <= 365
+
+
+def test_the_pods_mount_the_certificate_and_roll_when_it_changes(
+    defaults: rendering.Rendered, render
+):
+    secret = defaults.one("Secret", SECRET)
+    template = defaults.one("StatefulSet")["spec"]["template"]
+    checksum = template["metadata"]["annotations"]["checksum/webhook-tls"]
+    assert checksum == hashlib.sha256(secret["data"]["tls.crt"].encode()).hexdigest()
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "webhook-tls"]
+    assert volume["secret"]["secretName"] == SECRET
+    # An upgrade that makes a new certificate (nothing to reuse offline) rolls the pods.
+    again = render({}, upgrade=True).one("StatefulSet")["spec"]["template"]
+    assert again["metadata"]["annotations"]["checksum/webhook-tls"] != checksum
+
+
+def test_with_cert_manager_the_ca_is_injected_from_the_certificate(render):
+    rendered = render({"webhook": {"certManager": {"enabled": True}}})
+    assert rendered.of("Secret") == []
+    certificate = rendered.one("Certificate", SECRET)
+    assert certificate["spec"]["secretName"] == SECRET
+    assert HOST in certificate["spec"]["dnsNames"]
+    issuer = rendered.one("Issuer", certificate["spec"]["issuerRef"]["name"])
+    ca_certificate = rendered.one("Certificate", "bc-better-compute-webhook-ca")
+    assert issuer["spec"]["ca"]["secretName"] == ca_certificate["spec"]["secretName"]
+    assert ca_certificate["spec"]["isCA"] is True
+    self_signed = rendered.one("Issuer", ca_certificate["spec"]["issuerRef"]["name"])
+    assert self_signed["spec"] == {"selfSigned": {}}
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        config = rendered.one(kind)
+        annotation = config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+        assert annotation == f"{rendering.NAMESPACE}/{certificate['metadata']['name']}"
+        assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    template = rendered.one("StatefulSet")["spec"]["template"]
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "webhook-tls"]
+    assert volume["secret"]["secretName"] == SECRET
+
+
+def test_with_cert_manager_an_existing_issuer_is_used_as_is(render):
+    issuer = {"kind": "ClusterIssuer", "name": "corp-ca", "group": "cert-manager.io"}
+    rendered = render({"webhook": {"certManager": {"enabled": True, "issuerRef": issuer}}})
+    assert rendered.of("Issuer") == []
+    assert rendered.one("Certificate")["spec"]["issuerRef"] == issuer
+
+
+def test_the_disruption_budget_keeps_one_replica(defaults: rendering.Rendered, render):
+    budget = defaults.one("PodDisruptionBudget")
+    labels = defaults.one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(budget["spec"]["selector"]["matchLabels"], labels)
+    assert budget["spec"]["minAvailable"] == 1
+    assert render({"operator": {"replicas": 1}}).of("PodDisruptionBudget") == []
+
+
+def test_service_monitors_scrape_both_components(everything: rendering.Rendered):
+    monitors = {m["metadata"]["name"]: m for m in everything.of("ServiceMonitor")}
+    assert set(monitors) == {"bc-better-compute-operator", "bc-better-compute-device-plugin"}
+    for name, monitor in monitors.items():
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        services = [
+            s
+            for s in everything.of("Service")
+            if _matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
+        assert services, name
+        for service in services:
+            assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    metrics = everything.one("Service", "bc-better-compute-device-plugin-metrics")
+    plugin_labels = everything.one("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(metrics["spec"]["selector"], plugin_labels)
+
+
+def test_service_monitors_are_off_by_default(defaults: rendering.Rendered):
+    assert defaults.of("ServiceMonitor") == []
+    assert defaults.of("NetworkPolicy") == []
+
+
+def test_network_policies_leave_the_webhook_open_and_limit_the_rest(
+    everything: rendering.Rendered,
+):
+    operator = everything.one("NetworkPolicy", "bc-better-compute-operator")
+    labels = everything.one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(operator["spec"]["podSelector"]["matchLabels"], labels)
+    webhook, http = operator["spec"]["ingress"]
+    assert webhook == {"ports": [{"port": "webhook", "protocol": "TCP"}]}
+    assert http["from"] == [{"namespaceSelector": {"matchLabels": {"team": "platform"}}}]
+    plugin = everything.one("NetworkPolicy", "bc-better-compute-device-plugin")
+    (metrics,) = plugin["spec"]["ingress"]
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]

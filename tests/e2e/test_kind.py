@@ -1,0 +1,175 @@
+"""The chart on a real cluster (kind): installed, it places Reservations, hands a
+``binding: kubernetes`` reservation's devices to a Pod through the kubelet and containerd's CDI,
+keeps them booked after a release until the Pod is gone, and keeps or rotates its webhook
+certificate on upgrade as told.
+
+Runs where Docker and kind (v0.27+) run; skips elsewhere with the reason. README.md ("Install
+on a cluster (Helm)") says how to run it. The device plugin reads a simulated inventory (the
+chart's default eight H100s) on the worker, so no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e import clusters
+
+EXAMPLES = clusters.ROOT / "examples"
+NS = "ml"
+
+# Building the image and creating the cluster take minutes (pytest-timeout counts fixtures).
+pytestmark = pytest.mark.timeout(3600)
+
+
+def _example(name: str, kind: str) -> dict[str, Any]:
+    for document in yaml.safe_load_all((EXAMPLES / name).read_text(encoding="utf-8")):
+        if document and document["kind"] == kind:
+            return document
+    raise AssertionError(f"no {kind} in examples/{name}")
+
+
+def _status(o: dict[str, Any] | None) -> dict[str, Any]:
+    return (o or {}).get("status") or {}
+
+
+def _conditions(o: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in _status(o).get("conditions") or ()}
+
+
+def _state_in(*states: str):
+    return lambda o: _status(o).get("state") in states
+
+
+def _setup_tenancy(cluster: clusters.Cluster) -> None:
+    cluster.apply(EXAMPLES / "namespace.yaml")
+    cluster.apply(EXAMPLES / "gpupool.yaml")
+    cluster.wait_for(
+        "gpupool", "h100-train", None, lambda o: _status(o).get("nodes") == 1, what="given its node"
+    )
+
+
+def test_the_device_plugin_publishes_the_simulated_node(cluster: clusters.Cluster):
+    worker = f"{cluster.name}-worker"
+    gpunode = cluster.wait_for(
+        "gpunode",
+        worker,
+        None,
+        lambda o: _conditions(o).get("Ready", {}).get("status") == "True",
+        what="Ready",
+    )
+    assert _status(gpunode)["gpus"] == 8
+    assert gpunode["metadata"]["labels"]["bcd.dev/pool"] == "h100-train"
+    _setup_tenancy(cluster)
+
+
+def test_a_reservation_is_placed(cluster: clusters.Cluster):
+    _setup_tenancy(cluster)
+    cluster.apply(EXAMPLES / "reservation-nvlink.yaml")
+    placed = cluster.wait_for(
+        "rsv", "train-1", NS, _state_in("placed", "binding", "active"), what="placed"
+    )
+    assert _status(placed)["gpus"] == 4
+    assert _status(placed)["nodes"] == f"{cluster.name}-worker"
+    assert placed["metadata"]["annotations"]["bcd.dev/requested-by"]  # the webhook stamped it
+    cluster.kubectl("delete", "rsv", "train-1", "-n", NS, "--wait=true", timeout=120)
+
+
+def test_the_mig_reservation_is_admitted(cluster: clusters.Cluster):
+    _setup_tenancy(cluster)
+    cluster.apply(EXAMPLES / "gpupool-mig.yaml")
+    cluster.apply(EXAMPLES / "reservation-mig.yaml")
+    # No MIG node here: the operator takes it and says so in status, whatever it decides.
+    seen = cluster.wait_for("rsv", "notebook-1", NS, lambda o: bool(_status(o)), what="handled")
+    assert seen["metadata"]["annotations"]["bcd.dev/requested-by"]
+    cluster.kubectl("delete", "rsv", "notebook-1", "-n", NS, "--wait=true", timeout=120)
+
+
+def test_a_pod_gets_the_cdi_devices_of_its_reservation_and_release_waits_for_it(
+    cluster: clusters.Cluster,
+):
+    _setup_tenancy(cluster)
+    cluster.apply(_example("reservation-kubernetes.yaml", "Reservation"))
+    active = cluster.wait_for("rsv", "infer-1", NS, _state_in("active"), what="active")
+    rid = _status(active)["id"]
+    booked = sorted(d.split("=", 1)[1] for d in _status(active)["binding"]["cdiDevices"])
+    assert len(booked) == 2
+
+    # The example's Pod, on the image already on the node, printing what it was given.
+    pod = copy.deepcopy(_example("reservation-kubernetes.yaml", "Pod"))
+    container = pod["spec"]["containers"][0]
+    container["image"] = clusters.IMAGE
+    container["imagePullPolicy"] = "Never"
+    container["command"] = ["sh", "-c", "sleep 3600"]
+    cluster.apply(pod)
+    cluster.wait_for(
+        "pod", "infer-1", NS, lambda o: _status(o).get("phase") == "Running", what="running"
+    )
+    env = dict(
+        line.split("=", 1)
+        for line in cluster.kubectl("exec", "-n", NS, "infer-1", "--", "env").splitlines()
+        if "=" in line
+    )
+    assert env["BCD_RESERVATION_ID"] == rid
+    # The CDI spec's per-device edits (BCD_DEVICE_<i>=<id>): containerd applied the devices.
+    assert sorted(v for k, v in env.items() if k.startswith("BCD_DEVICE_")) == booked
+    assert sorted(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == booked
+
+    # Released while the Pod runs: DevicesHeld names it, until it is deleted.
+    cluster.kubectl(
+        "patch", "rsv", "infer-1", "-n", NS, "--type", "merge", "-p", '{"spec":{"release":true}}'
+    )
+    held = cluster.wait_for(
+        "rsv",
+        "infer-1",
+        NS,
+        lambda o: _conditions(o).get("DevicesHeld", {}).get("pods") == [f"{NS}/infer-1"],
+        what="DevicesHeld by its Pod",
+    )
+    assert _conditions(held)["DevicesHeld"]["status"] == "True"
+    cluster.kubectl(
+        "delete", "pod", "infer-1", "-n", NS, "--grace-period=1", "--wait=true", timeout=120
+    )
+    freed = cluster.wait_for(
+        "rsv",
+        "infer-1",
+        NS,
+        lambda o: "DevicesHeld" not in _conditions(o) and _status(o).get("state") == "released",
+        what="released with nothing held",
+    )
+    assert _status(freed)["id"] == rid
+
+
+def _certificate(cluster: clusters.Cluster) -> bytes:
+    secret = cluster.get("secret", "bc-better-compute-webhook-tls", clusters.NAMESPACE)
+    assert secret is not None
+    return base64.b64decode(secret["data"]["tls.crt"])
+
+
+def test_an_upgrade_keeps_the_webhook_certificate_unless_told_to_rotate(
+    cluster: clusters.Cluster,
+):
+    _setup_tenancy(cluster)
+    first = _certificate(cluster)
+    cluster.install(clusters.values(), upgrade=True)
+    assert _certificate(cluster) == first
+    rotated = {**clusters.values(), "webhook": {"rotateOnUpgrade": True}}
+    cluster.install(rotated, upgrade=True)
+    assert _certificate(cluster) != first
+    cluster.kubectl(
+        "-n",
+        clusters.NAMESPACE,
+        "rollout",
+        "status",
+        "statefulset/bc-better-compute-operator",
+        "--timeout=180s",
+        timeout=200,
+    )
+    # The rolled pods serve the new certificate the new caBundle trusts: a create goes through.
+    cluster.apply(EXAMPLES / "reservation-nvlink.yaml")
+    cluster.wait_for("rsv", "train-1", NS, lambda o: bool(_status(o)), what="handled")
+    cluster.kubectl("delete", "rsv", "train-1", "-n", NS, "--wait=true", timeout=120)
