@@ -29,7 +29,7 @@ from bettercompute.api.app import make_app
 from bettercompute.core.errors import ComputeError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
-from bettercompute.operator import handlers, resources
+from bettercompute.operator import certificates, handlers, resources
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -188,6 +188,9 @@ async def started(
         tasks.append(supervising.task(Reconciler(db).run(), name="reconciler"))
         tasks.append(supervising.task(projector.run(listen=listen), name="projector"))
         tasks.append(supervising.task(allocations.run(), name="allocations"))
+        if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
+            renewed = certificates.exit_when_renewed([config.webhook_cert, config.webhook_key])
+            tasks.append(supervising.task(renewed, name="webhook-certificate"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
         tasks.append(supervising.task(events.run(), name="events"))
 
