@@ -281,15 +281,20 @@ async def _stop_kopf(task: asyncio.Task[None], stop: asyncio.Event) -> None:
 
 # --- better-compute-operator ---------------------------------------------------------------
 
-cli = typer.Typer(
-    add_completion=False,
-    help="Run the Better Compute operator: Reservation, GPUPool, GPUNode and DeviceAllocation "
-    "handlers, the admission webhooks, the reconciler and the HTTP API, against the cluster of "
-    "the pod's service account (or $KUBECONFIG).",
+# One command: typer shows the command's help (below) as the program's.
+cli = typer.Typer(add_completion=False)
+
+
+@cli.command(
+    help=(
+        "Run the Better Compute operator until SIGTERM or Ctrl-C: the Reservation, GPUPool, "
+        "GPUNode and DeviceAllocation handlers, the admission webhooks (/stamp, /check), the "
+        "reconciler and the HTTP API (with /healthz, /readyz and /metrics), against the "
+        "cluster of the pod's service account, or $KUBECONFIG, or --api-server. Install the "
+        "CRDs first (kubectl apply -f crds/).\n\n"
+        "Example: DATABASE_URL=postgresql://bcd@db/bcd better-compute-operator --standalone"
+    )
 )
-
-
-@cli.command()
 def run(
     database_url: Annotated[
         str, typer.Option(envvar="DATABASE_URL", help="PostgreSQL URL (postgresql://…).")
@@ -337,10 +342,6 @@ def run(
         str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
     ] = None,
 ) -> None:
-    """Run until SIGTERM or Ctrl-C.
-
-    Example: DATABASE_URL=postgresql://bcd@db/bcd better-compute-operator --standalone
-    """
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     config = OperatorConfig(
         database_url=database_url,
