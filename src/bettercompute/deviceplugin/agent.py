@@ -28,14 +28,15 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from bettercompute import supervising
 from bettercompute.deviceplugin import converging, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.cluster import (
@@ -214,10 +215,14 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
 
         stack.push_async_callback(publisher.stopped)
         stack.push_async_callback(_stop_servers, plugin)
-        stack.push_async_callback(_cancel, tasks)
-        tasks.append(_task(objects.follow(wake=plugin.converger.wake), name="allocation-watch"))
-        tasks.append(_task(plugin.run(), name="node-plugin"))
-        tasks.append(_task(publisher.run(allocations=plugin.allocations), name="gpunode"))
+        stack.push_async_callback(supervising.cancel, tasks)
+        tasks.append(
+            supervising.task(objects.follow(wake=plugin.converger.wake), name="allocation-watch")
+        )
+        tasks.append(supervising.task(plugin.run(), name="node-plugin"))
+        tasks.append(
+            supervising.task(publisher.run(allocations=plugin.allocations), name="gpunode")
+        )
         yield agent
 
 
@@ -254,23 +259,6 @@ async def _serve_http(agent: Agent, stack: contextlib.AsyncExitStack) -> str:
     url = f"http://{shown}:{bound}"
     log.info("serving /metrics, /healthz and /readyz on %s", url)
     return url
-
-
-def _task(coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
-    task = asyncio.create_task(coro, name=name)
-
-    def report(done: asyncio.Task[None]) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            log.error("%s stopped", name, exc_info=done.exception())
-
-    task.add_done_callback(report)
-    return task
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stop_servers(plugin: NodePlugin) -> None:

@@ -14,6 +14,7 @@ handlers call, which are tested without kopf.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -141,8 +142,7 @@ def make_registry() -> kopf.OperatorRegistry:
         await runtime.clusters.apply_pool(definition)
         runtime.applied_pools.add(name)
         await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
-        taken = sum(1 for s in runtime.applied_nodes.values() if s.pool_id == name)
-        await _pool_status(runtime, body, ready=True, nodes=taken)
+        await _pool_status(runtime, body, ready=True, nodes=_nodes_taken(runtime, name))
 
     @kopf.on.delete(*GPUPOOLS, registry=registry)
     async def pool_deleted(name: str, memo: Any, **kwargs: Any) -> None:
@@ -206,8 +206,8 @@ async def _apply_nodes(
     node_bodies: kopf.Index[str, Any],
     *,
     override: Mapping[str, Mapping[str, Any] | None],
-) -> dict[str, int]:
-    """Re-apply every GPUNode after a pool changed; answers nodes taken per pool.
+) -> None:
+    """Re-apply every GPUNode after a pool changed.
 
     ``override`` holds the pool just written (or ``None``: just deleted), since the index may
     not have seen that change yet.
@@ -218,15 +218,9 @@ async def _apply_nodes(
             pools.pop(name, None)
         else:
             pools[name] = spec
-    taken: dict[str, int] = {}
     for node in list(node_bodies):  # the index changes while we await
         seen = _first(node_bodies, node) or {}
-        pool = await _apply_node(
-            runtime, node, seen.get("labels") or {}, seen.get("status") or {}, pools
-        )
-        if pool is not None:
-            taken[pool] = taken.get(pool, 0) + 1
-    return taken
+        await _apply_node(runtime, node, seen.get("labels") or {}, seen.get("status") or {}, pools)
 
 
 async def _apply_node(
@@ -235,15 +229,14 @@ async def _apply_node(
     labels: Mapping[str, str],
     status: Mapping[str, Any],
     pools: Mapping[str, Any],
-) -> str | None:
-    """Write one GPUNode's atoms for the pool that takes it; the pool's name."""
+) -> None:
+    """Write one GPUNode's atoms for the pool that takes it."""
     pool_name = definitions.pool_for(labels, {n: s for n, s in pools.items() if s})
     pool = None
     if pool_name is not None:
-        try:
+        # An invalid pool takes no nodes; its own status says why.
+        with contextlib.suppress(ComputeError):
             pool = definitions.pool_definition(pool_name, pools[pool_name])
-        except ComputeError:
-            pool_name = None  # an invalid pool takes no nodes; its own status says why
     if pool is not None and pool.pool_id not in runtime.applied_pools:
         # The GPUNode's event may come before the GPUPool's handler wrote the pool.
         await runtime.clusters.apply_pool(pool)
@@ -252,13 +245,16 @@ async def _apply_node(
     if runtime.applied_nodes.get(name) != spec:
         await runtime.clusters.apply_node(spec)
         runtime.applied_nodes[name] = spec
-    return pool_name
 
 
 async def _pool_nodes(runtime: Runtime, pool: str) -> None:
     """Keep a pool's ``status.nodes`` right when a node joins or leaves it."""
-    count = sum(1 for spec in runtime.applied_nodes.values() if spec.pool_id == pool)
-    await runtime.kube.patch(resources.GPUPOOLS, pool, {"status": {"nodes": count}}, status=True)
+    nodes = _nodes_taken(runtime, pool)
+    await runtime.kube.patch(resources.GPUPOOLS, pool, {"status": {"nodes": nodes}}, status=True)
+
+
+def _nodes_taken(runtime: Runtime, pool: str) -> int:
+    return sum(1 for spec in runtime.applied_nodes.values() if spec.pool_id == pool)
 
 
 async def _pool_status(
