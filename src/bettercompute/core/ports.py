@@ -112,6 +112,15 @@ class BudgetVerdict:
 
 
 class BudgetCheck(Protocol):
-    """Better IAM's ``billing.check``: may this caller spend ``gpu_hours`` more now?"""
+    """Better IAM's ``billing.check``: may this caller spend ``gpu_hours`` more now?
+
+    Called before transaction 2, never inside one. Two creates checked at the same moment can
+    both fit: a budget whose ledger is compute's own reservations (the built-in one) sets
+    ``ledger_in_store``, and transaction 2 then checks it again under the tenant's budget lock,
+    so concurrent creates cannot overrun it. An external billing system leaves it false and
+    serialises its own check and charge.
+    """
+
+    ledger_in_store: bool
 
     async def check(self, *, caller: Caller, tenant_id: str, gpu_hours: float) -> BudgetVerdict: ...

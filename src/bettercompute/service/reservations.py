@@ -4,7 +4,9 @@
 → exactly one policy decision, outside any transaction → budget check when asked for →
 transaction 2 (quota, placement, lifecycle, event, audit) → optional wait. ``extend`` follows the
 same sequence against the existing reservation. Decisions are audited by the store in the
-transaction that records their outcome.
+transaction that records their outcome. Claims and extend holds name this process's holder
+(``store/holding.py``), so they end with the process; with the built-in budget, transaction 2
+checks the budget again under the tenant's budget lock, so concurrent creates cannot overrun it.
 
 Handlers here are a few lines around store calls; nothing here speaks SQL.
 """
@@ -21,7 +23,9 @@ from bettercompute.core import errors, ids, ports, requests, states
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import (
     admission,
+    budgets,
     extending,
+    holding,
     previewing,
     queries,
     releasing,
@@ -50,11 +54,15 @@ class ReservationService:
         policy: ports.PolicyEngine,
         budget: ports.BudgetCheck,
         root_tenant_id: str | None = None,
+        holder: holding.Holder | None = None,
     ):
         self.db = db
         self.policy = policy
         self.budget = budget
         self.root_tenant_id = root_tenant_id
+        # The session that owns this process's claims and extend holds; one per process and
+        # database unless given (a test playing a second replica gives its own).
+        self.holder = holder or holding.holder_of(db)
         # Concurrent creates with one key in this process wait on the first instead of polling
         # the database; the claim in the idempotency row does the same across replicas.
         self._in_flight: dict[str, asyncio.Event] = {}
@@ -72,6 +80,10 @@ class ReservationService:
         for observer in self._observers:
             observer.decided(action=request.action, allowed=decision.allowed, seconds=seconds)
         return decision
+
+    async def close(self) -> None:
+        """Give back this process's holder session: claims still held end now."""
+        await self.holder.close()
 
     @classmethod
     async def start(
@@ -154,6 +166,7 @@ class ReservationService:
                 request_hash=request_hash,
                 duration_ms=value.duration_ms,
                 claim=ids.new_id("claim"),
+                holder=await self.holder.current(),
             )
             if isinstance(step, admission.Existing):
                 return await self._view(rid)
@@ -198,8 +211,9 @@ class ReservationService:
                 reasons=list(decision.reasons),
             )
         try:
+            budget_hours = None
             if draft.pool.wants_budget_check:
-                await self._check_budget(caller, tenant, draft.attributes)
+                budget_hours = await self._check_budget(caller, tenant, draft.attributes)
             started = time.perf_counter()
             view = await admission.commit(
                 self.db,
@@ -209,6 +223,7 @@ class ReservationService:
                 actor=caller.identity_id,
                 tenant_id=tenant,
                 context=context,
+                budget_hours=budget_hours,
             )
             # Transaction 2 as a whole: quota, snapshot, the placer and the writes.
             seconds = time.perf_counter() - started
@@ -241,16 +256,17 @@ class ReservationService:
 
     async def _check_budget(
         self, caller: ports.Caller, tenant: str, attrs: Mapping[str, Any]
-    ) -> None:
+    ) -> float | None:
+        """``billing.check``, outside any transaction; raises ``SPEND_LIMIT_REACHED``.
+
+        Returns the GPU-hours transaction 2 must check again under the tenant's budget lock
+        (the built-in ledger), or ``None`` when the budget lives elsewhere.
+        """
         gpu_hours = (attrs["gpuCount"] + attrs["gpuSlices"] / 7) * attrs["durationHours"]
         verdict = await self.budget.check(caller=caller, tenant_id=tenant, gpu_hours=gpu_hours)
         if not verdict.allowed:
-            details: dict[str, Any] = {}
-            if verdict.resets_at_ms is not None:
-                details["resetsAt"] = verdict.resets_at_ms
-            raise ComputeError(
-                ErrorCode.SPEND_LIMIT_REACHED, verdict.message or "the budget is spent", details
-            )
+            raise budgets.spend_limit_reached(verdict)
+        return gpu_hours if self.budget.ledger_in_store else None
 
     async def _wait(self, view: dict[str, Any], *, timeout_ms: int) -> dict[str, Any]:
         """Re-read until the operation stops running, backing off 50 ms → 1 s; a timeout
@@ -398,6 +414,7 @@ class ReservationService:
             until_ms=value.until,
             by_ms=value.by if isinstance(value.by, int) else None,
             hold=hold,
+            holder=await self.holder.current(),
         )
         if isinstance(begun, extending.AlreadyReached):
             return {"reservation": await self._view(rid), "extended": False}
@@ -414,13 +431,19 @@ class ReservationService:
                     reasons=list(decision.reasons),
                 )
             offer = await admission_pool(self.db, row["pool_id"], value.tenantId)
+            budget_hours = None
             if offer is not None and offer.wants_budget_check:
                 extra = dict(begun.attributes)
                 old_hours = float(row["attributes"].get("durationHours", 0))
                 extra["durationHours"] = max(0.0, begun.attributes["durationHours"] - old_hours)
-                await self._check_budget(caller, value.tenantId, extra)
+                budget_hours = await self._check_budget(caller, value.tenantId, extra)
             outcome = await extending.extend_commit(
-                self.db, reservation_id=rid, start=begun, actor=caller.identity_id, key=key
+                self.db,
+                reservation_id=rid,
+                start=begun,
+                actor=caller.identity_id,
+                key=key,
+                budget_hours=budget_hours,
             )
         except BaseException:
             # A refusal or an abandon clears the pending change (only when the hold is ours),

@@ -7,9 +7,15 @@ all-or-nothing, places, schedules the lifecycle and writes the outbox event and 
 
 Why a claim: the decision happens between two transactions, so the row lock of transaction 1
 cannot keep 50 concurrent retries of one key from all deciding. Transaction 1 stamps the
-idempotency row with a server-minted claim; a concurrent request that finds a live claim backs
-off (``Busy``) and asks again, and by then finds the stored reservation. A claim older than 30 s
-(a crashed replica) is taken over. This module never calls the policy engine.
+idempotency row with a server-minted claim and this process's holder id (``store/holding.py``);
+a concurrent request that finds a live claim backs off (``Busy``) and asks again, and by then
+finds the stored reservation. A claim is live while its holder's session is: a crashed replica's
+claims are taken over at once. A claim older than 30 s is taken over too, as a last resort for a
+holder that is alive but hung. Whoever took a claim over, transaction 2 commits only under its
+own claim, so a key never commits twice.
+
+With the built-in budget, transaction 2 also checks the budget again under the tenant's budget
+lock (``store/budgets.py``). This module never calls the policy engine.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import psycopg.errors
 
 from bettercompute.core import attributes, errors, placement, pools, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store import journal, placing, views
+from bettercompute.store import budgets, journal, placing, views
 from bettercompute.store.database import Conn, Database, jsonb, script, scripted
 
+#: The last resort for a live holder that hung: its claim is taken over after this long.
 CLAIM_TTL = dt.timedelta(seconds=30)
 PENDING_RETRY = dt.timedelta(seconds=30)
 START_WARNING = dt.timedelta(minutes=15)
@@ -93,6 +100,7 @@ async def write_draft(
     request_hash: str,
     duration_ms: int,
     claim: str,
+    holder: int,
 ) -> Draft | Existing | Busy:
     """Transaction 1. Raises ``ComputeError`` for a refused key, a conflict or a bad pool.
 
@@ -158,7 +166,8 @@ async def write_draft(
                 VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
                 ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
             )
-            UPDATE idempotency SET claim = %s, claimed_at = compute_now() WHERE id = %s;
+            UPDATE idempotency SET claim = %s, claim_holder = %s, claimed_at = compute_now()
+             WHERE id = %s;
             COMMIT
             """,
             (
@@ -178,6 +187,7 @@ async def write_draft(
                 identity_id,
                 jsonb(attrs),
                 claim,
+                holder,
                 idempotency_id,
             ),
         )
@@ -197,7 +207,8 @@ async def abandon(
     record the outcome, so the same key is decided again on retry."""
     async with db.transaction() as conn:
         await conn.execute(
-            "UPDATE idempotency SET claim = NULL, claimed_at = NULL WHERE id = %s AND claim = %s",
+            "UPDATE idempotency SET claim = NULL, claimed_at = NULL, claim_holder = NULL"
+            " WHERE id = %s AND claim = %s",
             (draft.idempotency_id, draft.claim),
         )
         await journal.audit(
@@ -223,7 +234,8 @@ async def deny(
             (jsonb({"message": "the request was denied by policy"}), draft.reservation_id),
         )
         await conn.execute(
-            "UPDATE idempotency SET claim = NULL, claimed_at = NULL, outcome = 'denied'"
+            "UPDATE idempotency SET claim = NULL, claimed_at = NULL, claim_holder = NULL,"
+            " outcome = 'denied'"
             " WHERE id = %s AND claim = %s",
             (draft.idempotency_id, draft.claim),
         )
@@ -247,11 +259,14 @@ async def commit(
     actor: str,
     tenant_id: str,
     context: Mapping[str, Any],
+    budget_hours: float | None = None,
 ) -> dict[str, Any]:
-    """Transaction 2: quota all-or-nothing, placement, lifecycle, event, audit.
+    """Transaction 2: budget, quota all-or-nothing, placement, lifecycle, event, audit.
 
-    Returns the reservation object. Raises ``QUOTA_EXCEEDED`` (nothing written; the caller
-    abandons the draft) or ``CONFLICT`` when the claim was lost to a takeover.
+    ``budget_hours``: the GPU-hours to check against the built-in budget under the tenant's
+    budget lock (``None``: no budget here). Returns the reservation object. Raises
+    ``SPEND_LIMIT_REACHED`` or ``QUOTA_EXCEEDED`` (nothing written; the caller abandons the
+    draft) or ``CONFLICT`` when the claim was lost to a takeover.
     """
     demand = attributes.quota_demand(request, gpu_model=draft.pool.gpu_model)
     for attempt in range(2):
@@ -265,6 +280,7 @@ async def commit(
                 tenant_id=tenant_id,
                 context=context,
                 demand=demand,
+                budget_hours=budget_hours,
             )
         except psycopg.errors.ExclusionViolation:
             # The pool lock makes this a stale inventory cache at worst (a node that changed
@@ -284,15 +300,17 @@ async def _commit_once(
     tenant_id: str,
     context: Mapping[str, Any],
     demand: Mapping[str, int],
+    budget_hours: float | None,
 ) -> dict[str, Any]:
-    # Two round trips: begin (claim, pool lock, quota, window, busy atoms), then the writes,
-    # the view and the commit. Placement is decided in Python in between, under the pool lock.
+    # Two round trips: begin (claim, budget, pool lock, quota, window, busy atoms), then the
+    # writes, the view and the commit. Placement is decided in Python in between, under the
+    # pool lock.
     resources = sorted(demand)
     async with scripted(db) as conn:
         [[begun]] = await script(
             conn,
             "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
-            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s)",
+            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric)",
             (
                 draft.idempotency_id,
                 draft.claim,
@@ -303,6 +321,7 @@ async def _commit_once(
                 request.get("start"),
                 duration_ms,
                 draft.reservation_id,
+                budget_hours,
             ),
         )
         if not begun["mine"]:
@@ -311,6 +330,9 @@ async def _commit_once(
                 "another request with this idempotency key took over its admission",
                 {"reservationId": draft.reservation_id},
             )
+        if begun["budget_short"] is not None:
+            # Leaving the block rolls the transaction back, and with it the budget lock.
+            raise budgets.short_error(begun["budget_short"])
         if begun["quota_short"] is not None:
             # Leaving the block rolls the transaction back: nothing was charged or written.
             raise quota_exceeded(begun["quota_short"])

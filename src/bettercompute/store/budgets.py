@@ -3,16 +3,28 @@
 A simple ledger over our own reservations, for installations without a billing system: the
 spend of a window is the GPU-hours of the tenant's admitted reservations created in it. A
 tenant without a budget row is not limited. Implements ``core.ports.BudgetCheck``.
+
+Why the ledger is read twice: ``check`` runs before transaction 2, outside any transaction, as
+the guide's sequence says, and refuses early. But two creates checked at once would both fit
+and both be admitted, so transaction 2 checks again under the tenant's budget lock
+(``bc_budget_lock_check``, see ``store/locking.py``) and refuses the one that no longer fits.
+Budgets are per tenant: an offer only says whether they are checked. Never decides policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from bettercompute.core import ports
-from bettercompute.store.admission import to_ms
+from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store.database import Database
 
 
 class DatabaseBudget:
+    #: The ledger is our own reservations: transaction 2 re-checks it under the budget lock.
+    ledger_in_store = True
+
     def __init__(self, db: Database):
         self._db = db
 
@@ -21,35 +33,41 @@ class DatabaseBudget:
     ) -> ports.BudgetVerdict:
         async with self._db.connection() as conn:
             row = await (
-                await conn.execute(
-                    """
-                    SELECT b.gpu_hours AS budget, w.spent, w.oldest,
-                           b.window_seconds * interval '1 second' AS window_
-                      FROM budgets b, LATERAL (
-                        SELECT coalesce(sum(((a.attributes ->> 'gpuCount')::numeric
-                                  + (a.attributes ->> 'gpuSlices')::numeric / 7)
-                                  * (a.attributes ->> 'durationHours')::numeric), 0) AS spent,
-                               min(r.created_at) AS oldest
-                          FROM reservations r JOIN authz_resources a ON a.id = r.id
-                         WHERE r.tenant_id = b.tenant_id
-                           AND r.state NOT IN ('draft', 'denied', 'awaiting-confirmation')
-                           AND r.created_at > compute_now()
-                                              - b.window_seconds * interval '1 second'
-                      ) w
-                     WHERE b.tenant_id = %s
-                    """,
-                    (tenant_id,),
-                )
+                await conn.execute("SELECT * FROM bc_budget_state(%s)", (tenant_id,))
             ).fetchone()
-        if row is None:
+        if row is None or float(row["spent"]) + gpu_hours <= float(row["budget"]):
             return ports.BudgetVerdict(allowed=True)
-        spent, budget = float(row["spent"]), float(row["budget"])
-        if spent + gpu_hours <= budget:
-            return ports.BudgetVerdict(allowed=True)
-        resets = to_ms(row["oldest"] + row["window_"]) if row["oldest"] is not None else None
-        return ports.BudgetVerdict(
-            allowed=False,
-            message=f"the tenant's budget of {budget:g} GPU-hours per window is spent "
-            f"({spent:.3f} used, {gpu_hours:.3f} asked)",
-            resets_at_ms=resets,
+        return _spent(
+            budget=row["budget"], spent=row["spent"], asked=gpu_hours, resets=row["resets_at_ms"]
         )
+
+
+def spend_limit_reached(verdict: ports.BudgetVerdict) -> ComputeError:
+    """The error a refused budget check answers (402 over HTTP)."""
+    details: dict[str, Any] = {}
+    if verdict.resets_at_ms is not None:
+        details["resetsAt"] = verdict.resets_at_ms
+    return ComputeError(
+        ErrorCode.SPEND_LIMIT_REACHED, verdict.message or "the budget is spent", details
+    )
+
+
+def short_error(short: Mapping[str, Any]) -> ComputeError:
+    """The same error, from the shortfall ``bc_budget_lock_check`` found in transaction 2."""
+    return spend_limit_reached(
+        _spent(
+            budget=short["budget"],
+            spent=short["spent"],
+            asked=short["asked"],
+            resets=short["resetsAt"],
+        )
+    )
+
+
+def _spent(*, budget: Any, spent: Any, asked: Any, resets: int | None) -> ports.BudgetVerdict:
+    return ports.BudgetVerdict(
+        allowed=False,
+        message=f"the tenant's budget of {float(budget):g} GPU-hours per window is spent "
+        f"({float(spent):.3f} used, {float(asked):.3f} asked)",
+        resets_at_ms=None if resets is None else int(resets),
+    )

@@ -1,10 +1,13 @@
 """Extending a reservation: the two transactions around its policy decision.
 
 One extend at a time stages the pending change, under a server-minted hold in
-``extend_holds`` (a hold older than 60 s is taken over). Transaction 2 takes the pool lock
-first, applies only while its hold still owns the slot, and moves every booking's end, all or
-nothing: the ``EXCLUDE`` constraint decides, and a conflict answers the earliest start of the
-booking in the way (``availableUntil``). Never decides policy.
+``extend_holds`` that names this process's holder (``store/holding.py``). The hold is taken over
+at once when its holder's session has ended (a crashed replica), and after 60 s as a last resort
+for a holder that is alive but hung. Transaction 2 takes the tenant's budget lock when the
+built-in budget is checked, then the pool lock, applies only while its hold still owns the slot,
+and moves every booking's end, all or nothing: the ``EXCLUDE`` constraint decides, and a
+conflict answers the earliest start of the booking in the way (``availableUntil``). Never
+decides policy.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import psycopg.errors
 from bettercompute.core import errors, requests
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.core.states import State
-from bettercompute.store import journal, locking
+from bettercompute.store import budgets, journal, locking
 from bettercompute.store.admission import from_ms, to_ms
 from bettercompute.store.database import Conn, Database, jsonb
 
@@ -41,7 +44,13 @@ class AlreadyReached:
 
 
 async def extend_begin(
-    db: Database, *, reservation_id: str, until_ms: int | None, by_ms: int | None, hold: str
+    db: Database,
+    *,
+    reservation_id: str,
+    until_ms: int | None,
+    by_ms: int | None,
+    hold: str,
+    holder: int,
 ) -> ExtendStart | AlreadyReached:
     """Extend's transaction 1: stage the pending change under the reservation's extend hold."""
     async with db.transaction() as conn:
@@ -66,12 +75,15 @@ async def extend_begin(
         new_end = from_ms(new_end_ms)
         taken = await (
             await conn.execute(
-                "INSERT INTO extend_holds (reservation_id, hold, taken_at)"
-                " VALUES (%s, %s, compute_now())"
+                "INSERT INTO extend_holds (reservation_id, hold, holder, taken_at)"
+                " VALUES (%s, %s, %s, compute_now())"
                 " ON CONFLICT (reservation_id) DO UPDATE"
-                "   SET hold = excluded.hold, taken_at = excluded.taken_at"
-                " WHERE extend_holds.taken_at < compute_now() - %s RETURNING hold",
-                (reservation_id, hold, EXTEND_HOLD_TTL),
+                "   SET hold = excluded.hold, holder = excluded.holder,"
+                "       taken_at = excluded.taken_at"
+                " WHERE NOT bc_claim_live(extend_holds.hold, extend_holds.taken_at,"
+                "                         extend_holds.holder, %s)"
+                " RETURNING hold",
+                (reservation_id, hold, holder, EXTEND_HOLD_TTL),
             )
         ).fetchone()
         if taken is None:
@@ -167,13 +179,31 @@ class ExtendKey:
 
 
 async def extend_commit(
-    db: Database, *, reservation_id: str, start: ExtendStart, actor: str, key: ExtendKey
+    db: Database,
+    *,
+    reservation_id: str,
+    start: ExtendStart,
+    actor: str,
+    key: ExtendKey,
+    budget_hours: float | None = None,
 ) -> ExtendOutcome:
     """Extend's transaction 2: every booking's end moves, all or nothing; ``EXCLUDE`` decides.
 
-    Takes the pool lock first. Applies only while its hold still owns the slot.
+    ``budget_hours``: the GPU-hours the extension adds, checked against the built-in budget
+    under the tenant's budget lock (``None``: no budget here); a spent budget raises
+    ``SPEND_LIMIT_REACHED`` with nothing written. Then takes the pool lock. Applies only while
+    its hold still owns the slot.
     """
     async with db.transaction() as conn:
+        if budget_hours is not None:
+            short = await (
+                await conn.execute(
+                    "SELECT bc_budget_lock_check(%s, %s::numeric) AS short",
+                    (key.tenant_id, budget_hours),
+                )
+            ).fetchone()
+            if short is not None and short["short"] is not None:
+                raise budgets.short_error(short["short"])
         row = await locking.lock_reservation(conn, reservation_id, pool_lock=True)
         owned = await (
             await conn.execute(

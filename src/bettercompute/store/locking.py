@@ -1,9 +1,19 @@
 """Taking a reservation's locks in the one order every transaction uses.
 
-Lock order, in every transaction that takes more than one: the pool's advisory lock, then
-reservation rows, then quota rows. Admission's transaction 2 is the one exception that locks its
-own draft row first, which is safe because nothing else ever locks a draft row. Never decides
-anything: it only locks and reads.
+Lock order, in every transaction that takes more than one:
+
+1. the tenant's budget lock (``bc_budget_lock_check``: admission's and extend's transaction 2,
+   only when the built-in budget is checked);
+2. the pool's advisory lock;
+3. reservation rows;
+4. quota rows.
+
+Admission's transaction 2 is the one exception that locks its own draft's rows (the idempotency
+row and the draft) first, which is safe because nothing waits on a draft's rows while holding
+one of the locks above: the garbage collector takes drafts ``SKIP LOCKED`` and nothing else.
+No transaction takes the budget lock after the pool lock, so budget and pool locks never
+deadlock. Holder locks (``store/holding.py``) are session locks each process takes once on its
+own connection; no transaction waits on one. Never decides anything: it only locks and reads.
 """
 
 from __future__ import annotations
