@@ -10,7 +10,9 @@ Lock order, in every transaction that takes more than one:
 
 Admission's transaction 2 is the one exception that locks its own draft's rows (the idempotency
 row and the draft) first, which is safe because nothing waits on a draft's rows while holding
-one of the locks above: the garbage collector takes drafts ``SKIP LOCKED`` and nothing else.
+one of the locks above. The garbage collector (``store/collecting.py``) takes every row it
+removes ``SKIP LOCKED`` (a reservation, then its extend hold, then its authorization row, as
+extend does), so it never waits on a request.
 No transaction takes the budget lock after the pool lock, so budget and pool locks never
 deadlock. Holder locks (``store/holding.py``) are session locks each process takes once on its
 own connection; no transaction waits on one. Never decides anything: it only locks and reads.
