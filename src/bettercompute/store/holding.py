@@ -31,10 +31,11 @@ from bettercompute.store.database import Database, StoreError
 
 #: How long connecting the holder may take before the request gets ``UNAVAILABLE``.
 CONNECT_TIMEOUT_S = 3
-#: Server-side keepalives on the holder's session (TCP only): a holder whose host vanished
-#: without closing its connection loses its claims within about half a minute, not hours.
+#: The holder's session is idle by design: a server-wide idle timeout must not end it. Its
+#: server-side keepalives (TCP only) end it when its host vanished without closing the
+#: connection, so those claims are freed within about half a minute, not hours.
 _SESSION = (
-    "-c idle_session_timeout=0 -c idle_in_transaction_session_timeout=0"
+    "-c idle_session_timeout=0"
     " -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
 )
 
