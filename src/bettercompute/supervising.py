@@ -128,7 +128,7 @@ class Signals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, *, grace_s: float = 4.5, exit_code: int = 130):
+    def __init__(self, *, grace_s: float = 3.0, exit_code: int = 130):
         self.grace_s = grace_s
         self.exit_code = exit_code
         self.stop = asyncio.Event()

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -225,7 +226,8 @@ async def started(
         pg = await _start_postgres(state / "pg")
         stack.push_async_callback(asyncio.to_thread, pg.stop)
         if signals is not None:
-            signals.on_force(pg.kill_fast)
+            # Forced, the process waits a second for a fast shutdown, then kills the server.
+            signals.on_force(functools.partial(pg.kill_fast, wait_s=1.0))
         try:
             db = await Database.open(pg.dsn, limits=limits)
         except StoreError as e:

@@ -19,6 +19,7 @@ What it must never do: stop a server another live process still holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -126,10 +127,11 @@ class EmbeddedPostgres:
             # server gone it has nothing left to wait for.
             self._server.cleanup()
 
-    def kill_fast(self) -> None:
-        """Fast shutdown now: SIGINT to the server (woken first, in case it was frozen), a
-        few seconds' wait, then SIGKILL. Quick and synchronous, for a forced exit too; it
-        does not ask whether another process holds the server (``stop`` does)."""
+    def kill_fast(self, *, wait_s: float = STOP_WAIT_S) -> None:
+        """Fast shutdown now: SIGINT to the server (woken first, in case it was frozen),
+        ``wait_s`` to finish, then SIGKILL (safe: the next start recovers from the WAL).
+        Quick and synchronous, for a forced exit too; it does not ask whether another process
+        holds the server (``stop`` does)."""
         pid = self.pid
         if pid is None:
             return
@@ -140,13 +142,12 @@ class EmbeddedPostgres:
                 each.send_signal(signal.SIGCONT)
             server.send_signal(signal.SIGINT)  # PostgreSQL's "fast" shutdown
             try:
-                server.wait(STOP_WAIT_S)
+                server.wait(wait_s)
             except psutil.TimeoutExpired:
-                log.warning(
-                    "PostgreSQL (pid %s) did not stop in %g s: killing it", pid, STOP_WAIT_S
-                )
+                log.warning("PostgreSQL (pid %s) did not stop in %g s: killing it", pid, wait_s)
                 for each in family:
-                    each.kill()
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        each.kill()
                 server.wait(STOP_WAIT_S)
         except psutil.NoSuchProcess:
             pass  # already gone
