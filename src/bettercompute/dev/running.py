@@ -9,6 +9,12 @@ reconciler, one agent per simulated node and the HTTP API, until Ctrl-C.
 ``run`` is the command (blocks, prints what to try, exits 0 on SIGINT/SIGTERM); ``started`` is
 the same stack as an async context manager, for tests and embedding.
 
+It survives its database (docs/operations.md): every loop retries store errors and is restarted
+by the supervisor if it fails anyway, ``/readyz`` says 503 while PostgreSQL does not answer, and
+a watchdog starts the embedded PostgreSQL again when it dies. Stopping: the first SIGINT or
+SIGTERM stops everything in order within a few seconds; a second one (or the grace period
+running out) stops PostgreSQL fast and exits at once. PostgreSQL never outlives the command.
+
 What it must never do: show a traceback for a mistake a person can fix (a bad config, a port
 in use, a state dir in use): those are one clear line and a non-zero exit. It never deletes a
 directory it did not create (``--fresh`` only empties a state dir it marked as its own).
@@ -20,12 +26,12 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -52,10 +58,13 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
 from bettercompute.sim.binding import NodeAgent
 from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database, Limits, StoreError
 from bettercompute.store.embedded import EmbeddedPostgres
 
 log = logging.getLogger(__name__)
+
+#: How often the watchdog looks whether the embedded PostgreSQL is still there.
+POSTGRES_WATCH_S = 1.0
 
 #: Where state lives when no ``--state-dir`` is given (``.state/`` is ignored by git).
 DEFAULT_STATE_DIR = Path(".state") / "dev"
@@ -160,21 +169,24 @@ async def _serve_until_stopped(
     fresh: bool,
     host: str,
 ) -> BaseException | None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = supervising.Signals()
+    signals.install()
     try:
         async with started(
-            port=port, sim=sim, config=config, state_dir=state_dir, fresh=fresh, host=host
+            port=port,
+            sim=sim,
+            config=config,
+            state_dir=state_dir,
+            fresh=fresh,
+            host=host,
+            signals=signals,
         ) as dev:
             print_banner(_stdout(), dev)
-            failure = await dev.watch(stop)
+            failure = await dev.watch(signals.stop)
             Console(stderr=True, highlight=False).print("Stopping…")
             return failure
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        signals.remove()
 
 
 # --- the stack --------------------------------------------------------------------------------
@@ -189,11 +201,13 @@ async def started(
     state_dir: Path | None = None,
     fresh: bool = False,
     host: str = "127.0.0.1",
+    signals: supervising.Signals | None = None,
 ) -> AsyncIterator[Dev]:
     """The dev stack, running while the block runs; ``port=0`` takes a free port.
 
     Everything started is stopped when the block ends, in reverse order: the API, the node
-    agents and the reconciler, the connection pool, the embedded PostgreSQL.
+    agents, the reconciler and the PostgreSQL watchdog, the connection pool, the embedded
+    PostgreSQL. ``signals``, when given, stops PostgreSQL too if the process is forced to exit.
     """
     loaded = dev_config.load(config)
     nodes = tuple(dev_config.sim_nodes(loaded, sim=sim))
@@ -202,13 +216,20 @@ async def started(
     state = (state_dir or DEFAULT_STATE_DIR).expanduser().resolve()
     if port:
         _check_port(host, port)
+    try:
+        limits = Limits.from_environ(os.environ)
+    except ValueError as e:
+        raise DevError(str(e)) from None
     async with contextlib.AsyncExitStack() as stack:
         stack.enter_context(_locked(state))
         _prepare(state, fresh=fresh)
         pg = await _start_postgres(state / "pg")
         stack.push_async_callback(asyncio.to_thread, pg.stop)
+        if signals is not None:
+            # Forced, the process waits a second for a fast shutdown, then kills the server.
+            signals.on_force(functools.partial(pg.kill_fast, wait_s=1.0))
         try:
-            db = await Database.open(pg.dsn)
+            db = await Database.open(pg.dsn, limits=limits)
         except StoreError as e:
             raise DevError(f"cannot open the embedded PostgreSQL in {state / 'pg'}: {e}") from e
         stack.push_async_callback(db.close)
@@ -219,7 +240,8 @@ async def started(
 
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(supervising.cancel, tasks)
-        tasks.append(supervising.task(Reconciler(db).run(), name="reconciler"))
+        tasks.append(supervising.restarting(lambda: keep_postgres_up(pg), name="postgres-watchdog"))
+        tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
         node_service = NodeService(db)
         for node in nodes:
             agent = NodeAgent(
@@ -229,17 +251,11 @@ async def started(
                 reports=service,
                 retry_on=(StoreError, OSError),
             )
-            tasks.append(supervising.task(agent.run(), name=f"agent {node.name}"))
+            tasks.append(supervising.restarting(agent.run, name=f"agent {node.name}"))
 
         async def ready() -> bool:
-            if any(t.done() for t in tasks):
-                return False
-            try:
-                async with db.connection() as conn:
-                    await conn.execute("SELECT 1")
-            except StoreError:
-                return False
-            return True
+            # Bounded well under a second: a probe must not wait on a database that is away.
+            return not any(t.done() for t in tasks) and await db.reachable()
 
         app = make_app(service=service, authenticator=authenticator, ready=ready)
         runner = web.AppRunner(app, access_log=None)
@@ -263,6 +279,28 @@ async def started(
             db=db,
             tasks=tasks,
         )
+
+
+async def keep_postgres_up(pg: EmbeddedPostgres, *, every_s: float = POSTGRES_WATCH_S) -> None:
+    """Start the embedded PostgreSQL again whenever it dies, until cancelled.
+
+    The connection pool and the LISTEN loops reconnect by themselves; until they do, requests
+    get 503 and ``/readyz`` says not ready.
+    """
+    backoff = supervising.Backoff(first_s=0.5, max_s=5.0)
+    while True:
+        await asyncio.sleep(every_s)
+        if pg.alive():
+            continue
+        log.warning("the embedded PostgreSQL (pid %s) died: starting it again", pg.pid)
+        while True:
+            try:
+                await asyncio.to_thread(pg.restart)
+                break
+            except (OSError, subprocess.SubprocessError, AssertionError) as e:
+                log.warning("the embedded PostgreSQL did not start yet, retrying: %s", e)
+                await backoff.wait()
+        backoff.reset()
 
 
 async def _start_postgres(data_dir: Path) -> EmbeddedPostgres:

@@ -28,6 +28,7 @@ from bettercompute.operator import definitions, resources
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
+from bettercompute.store.database import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class AllocationSync:
         # A store or API outage must not end the loop: the next hint or pass retries.
         try:
             return await call
-        except KubeApiError as e:
+        except (KubeApiError, StoreError) as e:
             log.warning("device allocation sync: %s", e)
         except Exception:
             log.exception("device allocation sync failed")

@@ -11,7 +11,9 @@ re-projecting every object at start.
 Dirty ids are coalesced: a burst of changes to one reservation is one read and one patch.
 
 What it must never do: decide anything. It reads the service's answer and writes ``status``;
-a failed write is retried by the next hint, never by a loop of its own.
+a failed write is retried by the next hint, never by a loop of its own. The one exception is
+a projection the database was away for: no hint may come for it (notifications sent during an
+outage are lost), so it is marked again after a short, jittered wait.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import random
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -29,6 +32,7 @@ from bettercompute.operator import resources, statuses
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
+from bettercompute.store.database import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ WARNINGS = frozenset(
     }
 )
 
+
+#: How long a projection the database was away for waits before it is tried again (seconds).
+STORE_RETRY_S = 2.0
 
 #: Reservations whose events may wait for their object to be seen (one of another operator's
 #: objects, or one deleted before it was seen, never will be).
@@ -268,7 +275,11 @@ class Projector:
                 await self.project(rid)
             except (KubeApiError, ComputeError) as e:
                 log.warning("could not project %s: %s", rid, e)
-            except Exception:  # a store outage must not end the projector: the next hint retries
+            except StoreError as e:
+                log.warning("could not project %s, retrying: %s", rid, e)
+                delay = random.uniform(STORE_RETRY_S / 2, STORE_RETRY_S)
+                asyncio.get_running_loop().call_later(delay, self.mark, rid)
+            except Exception:  # a bug in one projection must not end the projector
                 log.exception("could not project %s", rid)
 
 

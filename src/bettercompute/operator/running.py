@@ -5,6 +5,11 @@ and the HTTP API, over one database, started and stopped together.
 ``main`` is ``better-compute-operator``, which reads its settings from flags and environment
 variables and runs until SIGTERM.
 
+It survives its database (docs/operations.md): the reconciler, the projector, the allocation
+sync and event delivery retry store errors and are restarted by the supervisor if they fail
+anyway; ``/readyz`` says 503 while PostgreSQL does not answer. The first SIGTERM or SIGINT
+stops it in order; a second one (or the grace period running out) exits at once.
+
 What it must never do: hold a handler's logic, or leave a task running after it returns.
 """
 
@@ -44,7 +49,7 @@ from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import listening
 from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database, Limits, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -132,20 +137,24 @@ async def started(
     *,
     db: Database | None = None,
     policy: PolicyEngine | None = None,
+    signals: supervising.Signals | None = None,
 ) -> AsyncIterator[Operator]:
     """The operator, running while the block runs; every part stops when it ends.
 
     ``db`` and ``policy`` replace the ones ``config`` names (tests share their database and
     count decisions); kopf's shutdown cancels every task started after it, so kopf is started
-    last and stopped first.
+    last and stopped first. ``signals``, when given, keeps SIGINT and SIGTERM from kopf, which
+    takes them for itself when it starts and would swallow the second one.
     """
     engine = policy or policy_engine(config)
     connection = connection_info(config)
     async with contextlib.AsyncExitStack() as stack:
         if db is None:
             try:
-                db = await Database.open(config.database_url)
-            except StoreError as e:
+                db = await Database.open(
+                    config.database_url, limits=Limits.from_environ(os.environ)
+                )
+            except (StoreError, ValueError) as e:
                 raise OperatorError(f"cannot open the database: {e}") from e
             stack.push_async_callback(db.close)
         clusters = ClusterService(db)
@@ -181,27 +190,33 @@ async def started(
             allocations.mark_reservation(rid)
 
         async def listen(_: Any) -> None:
-            await listening.payloads(db.dsn, "compute_reservation", changed)
+            await listening.payloads(db, "compute_reservation", changed)
 
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(supervising.cancel, tasks)
-        tasks.append(supervising.task(Reconciler(db).run(), name="reconciler"))
-        tasks.append(supervising.task(projector.run(listen=listen), name="projector"))
-        tasks.append(supervising.task(allocations.run(), name="allocations"))
+        # Loops that must never end: a failure is logged and the loop restarted.
+        tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
+        tasks.append(supervising.restarting(lambda: projector.run(listen=listen), name="projector"))
+        tasks.append(supervising.restarting(allocations.run, name="allocations"))
+        events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
+        tasks.append(supervising.restarting(events.run, name="events"))
         if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
+            # Ends on purpose, so that the process restarts with the new certificate.
             renewed = certificates.exit_when_renewed([config.webhook_cert, config.webhook_key])
             tasks.append(supervising.task(renewed, name="webhook-certificate"))
-        events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
-        tasks.append(supervising.task(events.run(), name="events"))
 
         stop, ready = asyncio.Event(), asyncio.Event()
         kopf_task = asyncio.create_task(
-            _run_kopf(config=config, runtime=runtime, stop=stop, ready=ready), name="kopf"
+            _run_kopf(config=config, runtime=runtime, stop=stop, ready=ready, signals=signals),
+            name="kopf",
         )
-        stack.push_async_callback(_stop_kopf, kopf_task, stop)
+        stack.push_async_callback(_stop_kopf, kopf_task, stop, signals)
 
         async def is_ready() -> bool:
-            return ready.is_set() and not kopf_task.done() and not any(t.done() for t in tasks)
+            if not ready.is_set() or kopf_task.done() or any(t.done() for t in tasks):
+                return False
+            # Bounded well under a second: a probe must not wait on a database that is away.
+            return await db.reachable()
 
         app = make_app(
             service=service,
@@ -251,7 +266,12 @@ class _EveryTask(Collection["asyncio.Task[Any]"]):
 
 
 async def _run_kopf(
-    *, config: OperatorConfig, runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event
+    *,
+    config: OperatorConfig,
+    runtime: Runtime,
+    stop: asyncio.Event,
+    ready: asyncio.Event,
+    signals: supervising.Signals | None,
 ) -> None:
     tasks = await kopf.spawn_tasks(
         registry=handlers.make_registry(),
@@ -261,19 +281,29 @@ async def _run_kopf(
         stop_flag=stop,
         ready_flag=ready,
     )
+    if signals is not None:
+        # kopf just took SIGINT/SIGTERM; ours stop kopf through ``stop`` and, the second
+        # time, the whole process.
+        signals.install()
     await kopf.run_tasks(tasks, ignored=_EveryTask())
 
 
-async def _stop_kopf(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+async def _stop_kopf(
+    task: asyncio.Task[None], stop: asyncio.Event, signals: supervising.Signals | None
+) -> None:
     stop.set()
     try:
-        async with asyncio.timeout(10):  # not wait_for: on 3.11 it can swallow a cancellation
+        # Within the process's grace period (a second signal ends it sooner).
+        async with asyncio.timeout(3):  # not wait_for: on 3.11 it can swallow a cancellation
             await asyncio.shield(task)
     except TimeoutError:
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    # kopf installed SIGINT/SIGTERM handlers on the loop; the loop outlives it.
+    # kopf may have installed SIGINT/SIGTERM handlers on the loop; the loop outlives it.
+    if signals is not None:
+        signals.install()
+        return
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(signum)
@@ -368,17 +398,19 @@ def run(
 
 
 async def _serve(config: OperatorConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with started(config) as operator:
-        log.info("operator running; HTTP API on %s", operator.url)
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait(
-            [stopping, operator.kopf_task, *operator.tasks], return_when=asyncio.FIRST_COMPLETED
-        )
-        stopping.cancel()
+    signals = supervising.Signals()
+    signals.install()
+    try:
+        async with started(config, signals=signals) as operator:
+            log.info("operator running; HTTP API on %s", operator.url)
+            stopping = asyncio.create_task(signals.stop.wait())
+            await asyncio.wait(
+                [stopping, operator.kopf_task, *operator.tasks],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            stopping.cancel()
+    finally:
+        signals.remove()
 
 
 def main() -> None:

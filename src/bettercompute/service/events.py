@@ -3,6 +3,11 @@
 Each subscriber has a cursor in ``outbox_cursors``; it advances only after the subscriber's
 callback returned, so a crash re-delivers rather than loses. A ``compute_outbox``
 notification wakes delivery at once (the operator projects changes within a second).
+
+What it must never do: end on a store error. While the database is away it logs a WARNING when
+the failure starts, waits a growing, jittered while (up to 5 s) and tries again. A handler that
+raises anything else ends ``run``: the supervisor logs it at ERROR and restarts it, and the
+event comes again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bettercompute import supervising
 from bettercompute.store import listening, queries
 from bettercompute.store.database import Database, StoreError
 
@@ -52,15 +58,25 @@ class EventDelivery:
 
     async def run(self) -> None:
         listener = asyncio.create_task(
-            listening.wake_on(self.db.dsn, "compute_outbox", self._wake),
+            listening.wake_on(self.db, "compute_outbox", self._wake),
             name=f"events-{self.subscriber}",
         )
+        backoff = supervising.Backoff()
+        failing = ""
         try:
             while True:
                 try:
                     await self.deliver_pending()
                 except StoreError as e:
-                    log.warning("event delivery to %s failed, retrying: %s", self.subscriber, e)
+                    if str(e) != failing:
+                        log.warning("event delivery to %s failed, retrying: %s", self.subscriber, e)
+                    failing = str(e)
+                    await backoff.wait()
+                    continue
+                if failing:
+                    log.info("event delivery to %s succeeds again", self.subscriber)
+                    failing = ""
+                backoff.reset()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.poll_s):

@@ -3,6 +3,10 @@
 Several replicas may run it: the queue is taken ``FOR UPDATE SKIP LOCKED``. It sleeps until the
 next wake-up is due, and a ``compute_work`` notification (any new wake-up) cuts the sleep short,
 so freed capacity reaches pending reservations at once. It never decides policy.
+
+What it must never do: end on a store error. While the database is away every pass fails; it
+logs a WARNING when the failure starts (and when it changes), waits a growing, jittered while
+(up to 5 s) and tries again, and says so when a pass succeeds again.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 
+from bettercompute import supervising
 from bettercompute.store import listening, reconciling
 from bettercompute.store.database import Database, StoreError
 
@@ -37,15 +42,25 @@ class Reconciler:
 
     async def run(self) -> None:
         listener = asyncio.create_task(
-            listening.wake_on(self.db.dsn, "compute_work", self._wake), name="reconciler-listen"
+            listening.wake_on(self.db, "compute_work", self._wake), name="reconciler-listen"
         )
+        backoff = supervising.Backoff()
+        failing = ""
         try:
             while True:
                 try:
                     await self.run_once()
+                    due = await reconciling.next_due_in(self.db)
                 except StoreError as e:
-                    log.warning("reconciler pass failed, retrying: %s", e)
-                due = await reconciling.next_due_in(self.db)
+                    if str(e) != failing:
+                        log.warning("reconciler pass failed, retrying: %s", e)
+                    failing = str(e)
+                    await backoff.wait()
+                    continue
+                if failing:
+                    log.info("reconciler passes succeed again")
+                    failing = ""
+                backoff.reset()
                 timeout = MAX_IDLE_S if due is None else min(MAX_IDLE_S, due)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
