@@ -52,6 +52,7 @@ from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
 from bettercompute.dev.config import ConfigError, LoadedConfig
 from bettercompute.iam.identities import StaticTokenAuthenticator
+from bettercompute.service.collecting import Collector
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
@@ -237,11 +238,13 @@ async def started(
         if applied.retired_nodes:
             log.info("nodes no longer simulated: %s", ", ".join(applied.retired_nodes))
         service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
+        stack.push_async_callback(service.close)
 
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(supervising.cancel, tasks)
         tasks.append(supervising.restarting(lambda: keep_postgres_up(pg), name="postgres-watchdog"))
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
+        tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         node_service = NodeService(db)
         for node in nodes:
             agent = NodeAgent(

@@ -43,6 +43,7 @@ from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.operator.runtime import Runtime
 from bettercompute.service.clusters import ClusterService
+from bettercompute.service.collecting import Collector
 from bettercompute.service.events import EventDelivery
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
@@ -160,6 +161,7 @@ async def started(
         clusters = ClusterService(db)
         await clusters.ensure_root_tenant(config.root_tenant)
         service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
+        stack.push_async_callback(service.close)
         kube = KubeApi(connection)
         stack.push_async_callback(kube.close)
         nodes = NodeService(db)
@@ -196,6 +198,7 @@ async def started(
         stack.push_async_callback(supervising.cancel, tasks)
         # Loops that must never end: a failure is logged and the loop restarted.
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
+        tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         tasks.append(supervising.restarting(lambda: projector.run(listen=listen), name="projector"))
         tasks.append(supervising.restarting(allocations.run, name="allocations"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
