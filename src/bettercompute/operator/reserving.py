@@ -6,6 +6,11 @@ or a ``Refused`` condition with the core's code and message, plus a Warning Even
 answers how long to wait before kopf should try again, or ``None`` when done: the retry itself
 is the handler's business (``kopf.TemporaryError`` belongs at the handler edge).
 
+One stored reservation, one object: two objects with the same idempotency key and request
+name the same reservation, and the first to claim it (a row in the store, atomic across
+replicas) owns it. The other is refused with ``CONFLICT`` naming the owner and never acts on
+the reservation: not by ``spec.release``, an extend, a renew, nor its deletion.
+
 What it must never do: decide. Whether a request is valid, allowed, within quota or placeable
 is the core's answer; this module only carries it both ways.
 """
@@ -18,9 +23,10 @@ from typing import Any
 
 from bettercompute.core import ports, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.operator import definitions, resources
+from bettercompute.operator import definitions, resources, statuses
 from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Projector
+from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,7 @@ class ReservationDoor:
         self.service = service
         self.projector = projector
         self.kube = kube
+        self.owners = ReservationOwners(service.db)
         #: Create handler runs that called the service (a replica that stood by made none).
         self.admissions = 0
 
@@ -57,6 +64,8 @@ class ReservationDoor:
         if rid:  # admitted before (a resume): show what is stored now
             view = await self.service.snapshot(str(rid))
             if view is not None:
+                if (taken := await self._taken(body, str(rid))) is not None:
+                    return await self._refuse(body, taken, operation="create", disown=True)
                 await self._show(body, view)
                 return None
         try:
@@ -69,6 +78,10 @@ class ReservationDoor:
             view = await self.service.create(caller, request)
         except ComputeError as e:
             return await self._refuse(body, e, operation="create")
+        # The create answered the stored reservation this key names, which may be another
+        # object's: claim it before showing it.
+        if (taken := await self._taken(body, str(view["id"]))) is not None:
+            return await self._refuse(body, taken, operation="create", disown=True)
         await self._show(body, view, keep_refusal=False)
         return None
 
@@ -92,6 +105,8 @@ class ReservationDoor:
             caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
         except ComputeError as e:
             return await self._refuse(body, e, operation="update")
+        if (taken := await self._taken(body, str(rid))) is not None:
+            return await self._refuse(body, taken, operation="update", disown=True)
         target = {"tenantId": tenant, "reservationId": rid}
         if spec.get("release") is True and status.get("state") not in TERMINAL:
             return await self._call(body, "release", caller, target)
@@ -156,10 +171,15 @@ class ReservationDoor:
         A release the core refuses (the stamped requester lost its rights) is reported as a
         Warning Event and the object still goes: holding it forever would help nobody; the
         reservation then ends at its own end.
+
+        An object that does not own the reservation its status names goes without a word: the
+        reservation is its owner's to release.
         """
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         rid = status.get("id")
         if not rid or status.get("state") in TERMINAL:
+            return
+        if await self._taken(body, str(rid)) is not None:
             return
         try:
             tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
@@ -167,6 +187,25 @@ class ReservationDoor:
             await self.service.release(caller, {"tenantId": tenant, "reservationId": rid})
         except ComputeError as e:
             await self._event(body, "ReleaseRefused", f"{e.code.value}: {e.message}")
+
+    # --- ownership -----------------------------------------------------------------------------
+
+    async def _taken(self, body: Mapping[str, Any], rid: str) -> ComputeError | None:
+        """Claim ``rid`` for this object; the refusal to show when another object owns it."""
+        meta = body.get("metadata") or {}
+        uid = str(meta.get("uid"))
+        owner = await self.owners.claim(
+            rid, object_uid=uid, namespace=meta["namespace"], name=meta["name"]
+        )
+        if owner.object_uid == uid:
+            return None
+        other = f"{owner.namespace}/{owner.name}"
+        return ComputeError(
+            ErrorCode.CONFLICT,
+            f"the idempotency key and request are already used by Reservation {other}, which"
+            f" owns reservation {rid}; give this object its own spec.idempotencyKey",
+            {"field": "spec.idempotencyKey", "reservationId": rid, "owner": other},
+        )
 
     # --- writing status ------------------------------------------------------------------------
 
@@ -196,15 +235,29 @@ class ReservationDoor:
         *,
         operation: str,
         extra: Mapping[str, Any] | None = None,
+        disown: bool = False,
     ) -> float | None:
+        """Show ``error`` as the Refused condition and a Warning Event.
+
+        ``disown``: the object is refused a reservation it does not own, so its status shows
+        none (an object from before ownership was recorded may still show the owner's) and the
+        refusal is not kept for the owner's projections.
+        """
         meta = body.get("metadata") or {}
-        observed = {"observedGeneration": meta.get("generation"), **(extra or {})}
+        previous = {} if disown else body.get("status") or {}
+        if disown:  # the owner's projections must not land on this object
+            self.projector.objects.forget(body)
+        observed = {
+            **(statuses.disowned() if disown else {}),
+            "observedGeneration": meta.get("generation"),
+            **(extra or {}),
+        }
         await self.projector.refuse(
             namespace=meta["namespace"],
             name=meta["name"],
             error=error,
             operation=operation,
-            previous=body.get("status") or {},
+            previous=previous,
             extra=observed,
         )
         await self._event(body, "Refused", f"{operation}: {error.code.value}: {error.message}")

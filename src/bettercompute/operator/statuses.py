@@ -130,6 +130,13 @@ def reservation_status(
     return status
 
 
+def disowned() -> dict[str, Any]:
+    """A merge patch emptying what a projection showed, conditions and generation aside: the
+    status of an object refused a reservation that another object owns."""
+    kept = ("conditions", "observedGeneration")
+    return {key: None for key in PROJECTED if key not in kept}
+
+
 def refusal(error: ComputeError, *, operation: str, now: str) -> dict[str, Any]:
     """The ``Refused`` condition for an operation the core refused."""
     return {

@@ -1,0 +1,38 @@
+"""Which Kubernetes object a stored reservation belongs to, for the operator.
+
+Why: two Reservation objects with the same idempotency key and request (same tenant, same
+requester) name the same stored reservation. Only one may act for it: the other is refused, so
+deleting it can never release the first object's reservation. The store settles who came
+first in one row, atomically across operator replicas.
+
+What it must never do: touch the reservation itself. The HTTP API's same-key replay does not
+come through here and keeps the guide's behaviour.
+"""
+
+from __future__ import annotations
+
+from bettercompute.store import owners
+from bettercompute.store.database import Database
+from bettercompute.store.owners import Owner
+
+__all__ = ["Owner", "ReservationOwners"]
+
+
+class ReservationOwners:
+    """Claims of stored reservations by Kubernetes objects, over one database."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    async def claim(
+        self, reservation_id: str, *, object_uid: str, namespace: str, name: str
+    ) -> Owner:
+        """The object that owns ``reservation_id``: this one, unless another claimed it first
+        (an object recreated under the same namespace and name is the same claimant)."""
+        return await owners.claim(
+            self.db,
+            reservation_id=reservation_id,
+            object_uid=object_uid,
+            namespace=namespace,
+            name=name,
+        )
