@@ -18,10 +18,13 @@ client would. Meanwhile it kills, at random points chosen by ``--seed``:
 After each recovery, and at the end, it checks from SQL and the API: no overlapping bookings,
 the quota ledger equals the sum over live reservations, the budget never overrun, every
 acknowledged create present with its id and key, one reservation per key, acknowledged releases
-and extends kept, nothing stuck after the reconciler's first pass (overdue wake-ups, claims on
-finished requests, extend holds that still block, old ``binding``), no 500, every kill
-recovered, and the server never died unless the harness killed it. It prints the figures and
-exits 1 when any invariant fails.
+and extends kept, no retried extend refused as "in flight", nothing stuck after the reconciler's
+first pass (overdue wake-ups, claims on finished requests, extend holds that still block, old
+``binding``), no 500, every kill recovered within ``--recovery-timeout`` (else the harness
+restarts the server itself, so the run stays bounded), and the server never died unless the
+harness killed it. It prints the figures (kills by kind, operations sent, acknowledged, refused
+and retried, 503s, 500s, recovery times, latencies, the server's ERROR log lines) and exits 1
+when any invariant fails.
 
 What it must never do: hang (every wait is bounded; a server that dies is a failed invariant,
 then restarted so the run can finish), kill a process it did not start, or leave a server or
@@ -267,9 +270,12 @@ def _seconds(value: str | None) -> float:
         return 0.0
 
 
-async def write(client: Client, rng: random.Random, stop: asyncio.Event, run: str) -> None:
+async def write(
+    client: Client, rng: random.Random, stop: asyncio.Event, run: str, *, think: float = 0.05
+) -> None:
     """One writer: create (keyed, fixed body), sometimes extend to a fixed ``until``, then
-    release now or later (it keeps at most one reservation unreleased at a time)."""
+    release now or later (it keeps at most one reservation unreleased at a time); then a
+    pause of up to ``think`` s."""
     w = client.writer
     f = client.figures
     kept: collections.deque[str] = collections.deque()
@@ -325,7 +331,7 @@ async def write(client: Client, rng: random.Random, stop: asyncio.Event, run: st
             released = await client.call("release", {"tenantId": w.tenant, "reservationId": each})
             if released.data is not None:
                 f.released.add(each)
-        await asyncio.sleep(rng.uniform(0, 0.05))
+        await asyncio.sleep(rng.uniform(0, think))
 
 
 # --- the server under test --------------------------------------------------------------------
@@ -1196,7 +1202,8 @@ Exit status: 0 when every invariant holds, 1 when one fails (each printed with i
 evidence), 2 for a usage mistake.
 
 Examples:
-  .venv/bin/python bench/chaos.py --kills 3 --seed 1                  # ~40 s, as the tests run it
+  .venv/bin/python bench/chaos.py --kills 3 --seed 11 --writers 16 --recovery-timeout 15 \
+      --shutdown-timeout 8 --op-timeout 45          # as tests/bench/test_chaos.py runs it
   .venv/bin/python bench/chaos.py --kills 50 --seed 7 --writers 32    # the long run
   .venv/bin/python bench/chaos.py --kills 20 --kinds pg-sigkill,pg-freeze
   DATABASE_URL=postgresql://… .venv/bin/python bench/chaos.py --database-url "$DATABASE_URL"
