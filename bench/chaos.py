@@ -2,7 +2,7 @@
 
 Why: a reservation system earns trust by what survives a crash. This harness starts
 ``better-compute dev`` (embedded PostgreSQL, reconciler, simulated nodes, HTTP API) on a fresh
-state dir, or the same stack on a given ``DATABASE_URL`` (``bench/chaos_server.py``), and runs
+state dir, or the same stack on a given ``DATABASE_URL`` (``dev --database-url``), and runs
 16-32 concurrent writers over HTTP: keyed creates, extends (the ``until`` form) and releases,
 each retried on a 503 or a lost connection with the SAME idempotency key and body, as a careful
 client would. Meanwhile it kills, at random points chosen by ``--seed``:
@@ -63,7 +63,6 @@ import psycopg
 import psycopg.rows
 import yaml
 
-HERE = Path(__file__).resolve().parent
 SERVER_KINDS = ("server-sigkill", "server-sigint")
 PG_KINDS = ("pg-sigkill", "pg-freeze")
 KINDS = (*SERVER_KINDS, *PG_KINDS)
@@ -338,8 +337,8 @@ async def write(
 
 
 class Server:
-    """``better-compute dev`` (or ``chaos_server.py`` on a ``DATABASE_URL``) as a child process
-    of ours, restartable on the same state dir and port."""
+    """``better-compute dev`` (on its embedded PostgreSQL or a given ``DATABASE_URL``) as a
+    child process of ours, restartable on the same state dir and port."""
 
     def __init__(self, *, state: Path, config: Path, port: int, sim: int, database_url: str | None):
         self.state = state
@@ -357,15 +356,7 @@ class Server:
     def command(self) -> list[str]:
         common = ["--config", str(self.config), "--sim", str(self.sim), "--port", str(self.port)]
         if self.database_url:
-            return [
-                sys.executable,
-                str(HERE / "chaos_server.py"),
-                "--database-url",
-                self.database_url,
-                "--state-dir",
-                str(self.state),
-                *common,
-            ]
+            common += ["--database-url", self.database_url]
         script = Path(sys.executable).with_name("better-compute")
         head = (
             [str(script)]
@@ -1227,7 +1218,7 @@ Examples:
         "--database-url",
         default=None,
         help="serve on this PostgreSQL instead of dev's "
-        "embedded one (bench/chaos_server.py); PostgreSQL kills are then skipped",
+        "embedded one (better-compute dev --database-url); PostgreSQL kills are then skipped",
     )
     add(
         "--kinds",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from bettercompute.dev import running
@@ -271,3 +272,44 @@ def test_the_command_serves_until_sigint_then_exits_0(
     assert url in output
     assert "BETTER_COMPUTE_TOKEN=bcdev_alice_acme" in output
     assert "Traceback" not in output
+
+
+@pytest.fixture
+def scratch_database(pg_server_dsn: str) -> Iterator[str]:
+    """A database of its own on the session's server, dropped afterwards."""
+    name = "bettercompute_dev_scratch"
+    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    info = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
+    info["dbname"] = name
+    yield psycopg.conninfo.make_conninfo(**info)
+    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+async def test_a_given_database_is_used_instead_of_an_embedded_one(
+    tmp_path: Path, scratch_database: str
+) -> None:
+    state = tmp_path / "state"
+    async with running.started(
+        port=0, sim=1, state_dir=state, database_url=scratch_database
+    ) as dev:
+        created = await call(dev, "create", GUIDE_BODY)
+        assert (await until(dev, created["id"], "active"))["state"] == "active"
+    # Nothing embedded was started: the reservation lives in the given database.
+    assert not (state / "pg").exists()
+    with psycopg.connect(scratch_database) as conn:
+        row = conn.execute(
+            "SELECT state FROM reservations WHERE id = %s", (created["id"],)
+        ).fetchone()
+    assert row is not None
+    assert row[0] == "active"
+
+
+async def test_fresh_is_refused_with_a_given_database(tmp_path: Path) -> None:
+    with pytest.raises(DevError, match="--fresh empties only"):
+        async with running.started(
+            port=0, state_dir=tmp_path / "s", fresh=True, database_url="postgresql:///nothing"
+        ):
+            pass

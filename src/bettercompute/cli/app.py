@@ -558,6 +558,7 @@ def cancel(
         "better-compute dev",
         "better-compute dev --sim 4 --port 9090",
         "better-compute dev --state-dir ./bc-state --fresh --config dev.yaml",
+        "better-compute dev --database-url postgresql://bcd@localhost/bcd_scratch",
     ),
 )
 def dev(
@@ -585,6 +586,14 @@ def dev(
     ] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start from an empty database.")] = False,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            help="Run on this PostgreSQL instead of the embedded one (a scratch database: "
+            "the dev config is applied to it). --state-dir still holds the nodes' files.",
+        ),
+    ] = None,
 ) -> None:
     """Run a complete server on this machine: embedded PostgreSQL, the API and simulated nodes."""
     with _reporting(None):
@@ -598,7 +607,13 @@ def dev(
             ) from None
         try:
             running.run(
-                port=port, sim=sim, config=config, state_dir=state_dir, fresh=fresh, host=host
+                port=port,
+                sim=sim,
+                config=config,
+                state_dir=state_dir,
+                fresh=fresh,
+                host=host,
+                database_url=database_url,
             )
         except KeyboardInterrupt:
             output.note("Stopped.")

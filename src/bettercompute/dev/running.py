@@ -135,6 +135,7 @@ def run(
     state_dir: Path | None = None,
     fresh: bool = False,
     host: str = "127.0.0.1",
+    database_url: str | None = None,
 ) -> None:
     """Start the dev stack and block until SIGINT or SIGTERM, then stop it cleanly (exit 0).
 
@@ -145,7 +146,13 @@ def run(
     try:
         failure = asyncio.run(
             _serve_until_stopped(
-                port=port, sim=sim, config=config, state_dir=state_dir, fresh=fresh, host=host
+                port=port,
+                sim=sim,
+                config=config,
+                state_dir=state_dir,
+                fresh=fresh,
+                host=host,
+                database_url=database_url,
             )
         )
     except (ConfigError, DevError) as e:
@@ -169,6 +176,7 @@ async def _serve_until_stopped(
     state_dir: Path | None,
     fresh: bool,
     host: str,
+    database_url: str | None,
 ) -> BaseException | None:
     signals = supervising.Signals()
     signals.install()
@@ -181,6 +189,7 @@ async def _serve_until_stopped(
             fresh=fresh,
             host=host,
             signals=signals,
+            database_url=database_url,
         ) as dev:
             print_banner(_stdout(), dev)
             failure = await dev.watch(signals.stop)
@@ -203,12 +212,17 @@ async def started(
     fresh: bool = False,
     host: str = "127.0.0.1",
     signals: supervising.Signals | None = None,
+    database_url: str | None = None,
 ) -> AsyncIterator[Dev]:
     """The dev stack, running while the block runs; ``port=0`` takes a free port.
 
     Everything started is stopped when the block ends, in reverse order: the API, the node
     agents, the reconciler and the PostgreSQL watchdog, the connection pool, the embedded
     PostgreSQL. ``signals``, when given, stops PostgreSQL too if the process is forced to exit.
+
+    With ``database_url`` the stack runs on that PostgreSQL instead of an embedded one (no
+    watchdog: that server is someone else's to keep up); ``fresh`` is then refused, since dev
+    never empties a database it did not create.
     """
     loaded = dev_config.load(config)
     nodes = tuple(dev_config.sim_nodes(loaded, sim=sim))
@@ -221,18 +235,26 @@ async def started(
         limits = Limits.from_environ(os.environ)
     except ValueError as e:
         raise DevError(str(e)) from None
+    if database_url is not None and fresh:
+        raise DevError(
+            "--fresh empties only dev's own embedded PostgreSQL; with --database-url, empty "
+            "that database yourself"
+        )
     async with contextlib.AsyncExitStack() as stack:
         stack.enter_context(_locked(state))
         _prepare(state, fresh=fresh)
-        pg = await _start_postgres(state / "pg")
-        stack.push_async_callback(asyncio.to_thread, pg.stop)
-        if signals is not None:
-            # Forced, the process waits a second for a fast shutdown, then kills the server.
-            signals.on_force(functools.partial(pg.kill_fast, wait_s=1.0))
+        pg: EmbeddedPostgres | None = None
+        if database_url is None:
+            pg = await _start_postgres(state / "pg")
+            stack.push_async_callback(asyncio.to_thread, pg.stop)
+            if signals is not None:
+                # Forced, the process waits a second for a fast shutdown, then kills the server.
+                signals.on_force(functools.partial(pg.kill_fast, wait_s=1.0))
         try:
-            db = await Database.open(pg.dsn, limits=limits)
+            db = await Database.open(pg.dsn if pg else str(database_url), limits=limits)
         except StoreError as e:
-            raise DevError(f"cannot open the embedded PostgreSQL in {state / 'pg'}: {e}") from e
+            where = f"the embedded PostgreSQL in {state / 'pg'}" if pg else "--database-url"
+            raise DevError(f"cannot open {where}: {e}") from e
         stack.push_async_callback(db.close)
         applied = await applying.apply(db, loaded, nodes=nodes)
         if applied.retired_nodes:
@@ -242,7 +264,11 @@ async def started(
 
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(supervising.cancel, tasks)
-        tasks.append(supervising.restarting(lambda: keep_postgres_up(pg), name="postgres-watchdog"))
+        if pg is not None:
+            embedded = pg
+            tasks.append(
+                supervising.restarting(lambda: keep_postgres_up(embedded), name="postgres-watchdog")
+            )
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         node_service = NodeService(db)
