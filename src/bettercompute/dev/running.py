@@ -41,6 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from bettercompute import supervising
+from bettercompute.api import serving
 from bettercompute.api.app import make_app
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
@@ -241,8 +242,13 @@ async def started(
                 return False
             return True
 
-        app = make_app(service=service, authenticator=authenticator, ready=ready)
-        runner = web.AppRunner(app, access_log=None)
+        app = make_app(
+            service=service,
+            authenticator=authenticator,
+            ready=ready,
+            metrics_token=serving.metrics_token_from_env(),
+        )
+        runner = serving.Runner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, host, port)
