@@ -29,6 +29,8 @@ Status of each error answer, ``{"error": {"code", "message", "details"}}``:
 When                                                   Status  ``code``
 =====================================================  ======  =========================
 bad or unknown field, bad JSON, missing header         400     ``INVALID_INPUT``
+not valid HTTP (``api.serving``), too many members     400     ``INVALID_INPUT`` (field
+                                                               ``request``/``body``)
 ``binding: 'instance'``                                400     ``UNSUPPORTED``
 bearer token missing or not valid                      401     ``ACCESS_DENIED``
 spent budget                                           402     ``SPEND_LIMIT_REACHED``
@@ -37,6 +39,7 @@ delegated session waiting for a person                 403     ``CONFIRMATION_RE
 reservation, draft or pool not found; unknown route    404     ``NOT_FOUND``
 method other than the route's (e.g. GET on create)     405     ``INVALID_INPUT`` (field
                                                                ``method``)
+headers or body too slow (``api.serving``)             408     ``INVALID_INPUT``
 key reused with another request, extend in flight      409     ``CONFLICT``
 operation not allowed in the reservation's state       409     ``INVALID_STATE``
 body over ``max_body_bytes``                           413     ``INVALID_INPUT`` (field
@@ -44,7 +47,7 @@ body over ``max_body_bytes``                           413     ``INVALID_INPUT``
 quota short                                            429     ``QUOTA_EXCEEDED``
 unexpected server error (logged with the request id)   500     ``INTERNAL``
 no capacity (reservation failed for it)                503     ``CAPACITY_UNAVAILABLE``
-the database cannot be reached                         503     ``UNAVAILABLE``
+the database cannot be reached; too many connections   503     ``UNAVAILABLE``
 =====================================================  ======  =========================
 
 The mapping of the guide's codes lives in ``api.errors.STATUS``. What this module must never
