@@ -1,10 +1,12 @@
 """The real API over a real socket: ``make_app`` on 127.0.0.1 with a random port, in front of a
 ``ReservationService`` on the test PostgreSQL, called with httpx.
 
-``serve(...)`` starts an app (a different policy, authenticator, readiness check or body limit
-when a test needs one); ``api`` is the default one: Cedar's ``DEFAULT_POLICIES`` (counted), the
-static tokens of alice@acme, bob@acme, gina@globex and root-ops@root, and a world with acme's
-pool of two 8-GPU nodes and a quota of 16 H100s.
+``serve(...)`` starts an app behind ``api.serving.Runner``, as ``dev`` and the operator do (a
+different policy, authenticator, readiness check, body limit or HTTP limits when a test needs
+one; the ``/metrics`` counts are read afresh on each scrape unless a test asks otherwise);
+``api`` is the default one: Cedar's ``DEFAULT_POLICIES`` (counted), the static tokens of
+alice@acme, bob@acme, gina@globex and root-ops@root, and a world with acme's pool of two 8-GPU
+nodes and a quota of 16 H100s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from bettercompute.api.app import make_app
+from bettercompute.api.serving import HttpLimits, Runner
 from bettercompute.core import ports
 from bettercompute.iam import identities
 from bettercompute.service.reservations import ReservationService
@@ -135,6 +138,9 @@ async def serve(db: Database) -> AsyncIterator[Serve]:
         ready: Callable[[], Awaitable[bool]] | None = None,
         max_body_bytes: int = 1_048_576,
         database: Database | None = None,
+        metrics_token: str | None = None,
+        metrics_max_age_seconds: float = 0.0,
+        limits: HttpLimits | None = None,
     ) -> Api:
         policy = policy or CountingPolicy()
         store = database or db
@@ -146,8 +152,10 @@ async def serve(db: Database) -> AsyncIterator[Serve]:
             authenticator=authenticator or identities.StaticTokenAuthenticator(TOKENS),
             ready=ready,
             max_body_bytes=max_body_bytes,
+            metrics_token=metrics_token,
+            metrics_max_age_seconds=metrics_max_age_seconds,
         )
-        runner = web.AppRunner(app)
+        runner = Runner(app, limits=limits)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from typing import Any
 
 from bettercompute.api import errors
@@ -208,3 +210,58 @@ async def test_metrics_survive_an_unreachable_database(db: Database, serve: Serv
     response = await api.client.get("/metrics")
     assert response.status_code == 200
     assert sample(response.text, "bettercompute_database_up") == 0
+
+
+async def test_readyz_answers_within_a_second_when_the_check_hangs(db: Database, serve: Serve):
+    async def hangs() -> bool:
+        await asyncio.sleep(30)
+        return True
+
+    api = await serve(ready=hangs)
+    started = time.monotonic()
+    ready = await api.client.get("/readyz")
+    assert time.monotonic() - started < 1.2
+    assert (ready.status_code, ready.json()) == (503, {"status": "not ready"})
+    started = time.monotonic()
+    assert (await api.client.get("/healthz")).status_code == 200
+    assert time.monotonic() - started < 1
+
+
+async def test_metrics_can_need_a_bearer_token(db: Database, serve: Serve):
+    api = await serve(metrics_token="scrape-me")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic scrape-me"}):
+        refused = await api.client.get("/metrics", headers=headers)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "ACCESS_DENIED"
+        assert "bettercompute_" not in refused.text
+    allowed = await api.client.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+    assert allowed.status_code == 200
+    assert sample(allowed.text, "bettercompute_database_up") == 1
+    # Without a token configured, /metrics stays open (the default).
+    open_api = await serve()
+    assert (await open_api.client.get("/metrics")).status_code == 200
+
+
+async def test_metrics_read_the_database_at_most_once_per_max_age(db: Database, serve: Serve):
+    await build_world(db)
+    api = await serve(metrics_max_age_seconds=60)
+    placed = {"state": "placed"}
+    scrapes = await asyncio.gather(*(api.client.get("/metrics") for _ in range(5)))
+    assert {sample(s.text, "bettercompute_reservations", **placed) for s in scrapes} == {0}
+    await api.ok("reservations/create", create_body())
+    # The reservation is there, but a scrape within the minute shows the figures it read.
+    cached = (await api.client.get("/metrics")).text
+    assert sample(cached, "bettercompute_reservations", **placed) == 0
+    # The counters kept in the process are live all the same.
+    created = sample(
+        cached,
+        "bettercompute_api_operations_total",
+        operation="reservations.create",
+        outcome="placed",
+    )
+    assert created == 1
+    fresh = await serve(metrics_max_age_seconds=0)
+    assert (
+        sample((await fresh.client.get("/metrics")).text, "bettercompute_reservations", **placed)
+        == 1
+    )

@@ -12,5 +12,6 @@ error answer naming the field, never a traceback and never a 500.
 
 Modules: ``app`` (routes, handlers, middleware, the status table), ``errors`` (the error
 envelope and the status of each code), ``openapi`` (the OpenAPI 3.1 document generated from the
-input models), ``metrics`` (the per-app Prometheus registry).
+input models), ``metrics`` (the per-app Prometheus registry), ``serving`` (the runner both
+composition roots serve it with: timeouts, connection limit, bounded shutdown).
 """

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from bettercompute.core.errors import ComputeError, ErrorCode
 
 INTERNAL = "INTERNAL"
 UNAVAILABLE = "UNAVAILABLE"
+
+#: The ``Server`` header of every answer: a name, never a version of Python or aiohttp.
+SERVER = "better-compute"
 
 #: The HTTP status of each code of the guide.
 STATUS: Mapping[ErrorCode, int] = {
@@ -147,3 +151,78 @@ def too_large(max_body_bytes: int) -> Refusal:
     return invalid_input(
         "body", f"the body is larger than {max_body_bytes} bytes", status=413, limit=max_body_bytes
     )
+
+
+class BodyTimeout(TimeoutError):
+    """The body did not arrive in time (set on the request's payload by ``api.serving``).
+
+    A ``TimeoutError``, so aiohttp's own lingering read after an answer treats it as the end of
+    waiting rather than an unhandled error."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the body did not arrive within {seconds:g} seconds")
+        self.seconds = seconds
+
+
+def body_timeout(seconds: float) -> Refusal:
+    return invalid_input(
+        "body",
+        f"the body did not arrive within {seconds:g} seconds",
+        status=408,
+        timeoutSeconds=seconds,
+    )
+
+
+# aiohttp's parser errors, in the order they are matched (subclasses first). Fixed words only:
+# the parser's own messages quote the offending bytes, and a header may hold a credential.
+_PROTOCOL_ERRORS: tuple[tuple[type[Exception], str], ...] = (
+    (http_exceptions.LineTooLong, "the request line or a header is too long"),
+    (http_exceptions.InvalidHeader, "a request header is not valid"),
+    (http_exceptions.BadHttpMethod, "the request method is not valid"),
+    (http_exceptions.BadStatusLine, "the request line is not valid"),
+    (http_exceptions.InvalidURLError, "the request target is not valid"),
+    (http_exceptions.PayloadEncodingError, "the body's framing or encoding is not valid"),
+)
+
+
+def protocol_reason(error: BaseException | None) -> str:
+    """A fixed description of an HTTP protocol error, never quoting the request."""
+    for kind, reason in _PROTOCOL_ERRORS:
+        if isinstance(error, kind):
+            return reason
+    return "the request line or a header is not valid HTTP/1.1"
+
+
+def protocol_error(error: BaseException | None, *, status: int = 400) -> web.Response:
+    """The envelope for a request aiohttp could not parse; the connection is closed after it."""
+    if status >= 500:
+        response = answer(status=500, code=INTERNAL, message="internal error")
+    else:
+        response = invalid_input("request", protocol_reason(error), status=status).response()
+    response.headers["Server"] = SERVER
+    response.force_close()
+    return response
+
+
+def raw_answer(
+    *,
+    status: int,
+    code: str,
+    message: str,
+    details: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> bytes:
+    """A whole HTTP/1.1 answer in the envelope, as bytes for a connection that has no parsed
+    request to answer (over the connection limit, headers that never completed)."""
+    body = json.dumps(
+        {"error": {"code": code, "message": message, "details": dict(details or {})}}
+    ).encode()
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        f"Server: {SERVER}",
+        "Content-Type: application/json; charset=utf-8",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body

@@ -17,15 +17,21 @@ What is measured:
   ``bettercompute_placement_duration_seconds{outcome}``: each admission's transaction 2 (quota,
   snapshot, placer, writes), told by the service (``Metrics`` is its ``AdmissionObserver``).
 * ``bettercompute_reservations{state}`` and ``bettercompute_work_queue_depth`` /
-  ``bettercompute_work_queue_due``: read from the database at scrape time.
+  ``bettercompute_work_queue_due``: read from the database at scrape time, through
+  ``CachedCounts``: at most one read every few seconds (5 by default) however many scrapers
+  there are and however often they come, and concurrent scrapes share one read. The read
+  aggregates every reservation row, so an unauthenticated ``/metrics`` hammered in a loop would
+  otherwise be a full-table scan per request.
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
 
-This module must never read the database itself: the app hands it the figures.
+This module must never read the database itself: the app hands it the figures, or the reader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -38,6 +44,7 @@ from prometheus_client import (
 )
 
 from bettercompute.core import states
+from bettercompute.store.stats import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 UNMATCHED = "unmatched"
@@ -126,3 +133,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CachedCounts:
+    """The database's counts, read by ``read_counts`` at most once per ``max_age_seconds``.
+
+    A failed read is not cached: the next scrape tries again (and reports the database down
+    meanwhile). Scrapes that arrive while a read is in flight wait for that read."""
+
+    def __init__(
+        self, read_counts: Callable[[], Awaitable[Stats]], *, max_age_seconds: float
+    ) -> None:
+        self._read_counts = read_counts
+        self._max_age = max_age_seconds
+        self._figures: Stats | None = None
+        self._read_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def read(self) -> Stats:
+        async with self._lock:
+            if self._figures is None or time.monotonic() - self._read_at >= self._max_age:
+                self._figures = await self._read_counts()
+                self._read_at = time.monotonic()
+            return self._figures

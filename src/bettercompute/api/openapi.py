@@ -6,6 +6,15 @@ Why generated: the request schemas are the pydantic models the service validates
 their schemas are written here from the guide, and the error envelope from
 ``api.errors.CODES``.
 
+The document says exactly what the server accepts (schemathesis checks it against a live server
+in ``tests/api/test_schemathesis.py``): the rules the models check in code rather than by type
+are added by ``_exact`` as JSON Schema (``oneOf`` for exclusive fields, the device classes,
+the node binding; the duration grammar; ``binding: 'instance'``, which the server answers
+``UNSUPPORTED``, left out). Integers are JSON's: ``168.0`` is the integer 168, as JSON Schema
+and the server both read it. Where a rule is arithmetic across fields (``start`` plus
+``duration`` within the calendar; a duration's total at most 366 days), the document states a
+narrower range that the server always accepts, and says so in the field's description.
+
 Pure: builds a dict; never reads a request, a database or a file.
 """
 
@@ -19,7 +28,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from bettercompute.api import errors, operations
-from bettercompute.core import states
+from bettercompute.core import durations, requests, states
 
 _REF = "#/components/schemas/{model}"
 
@@ -28,12 +37,15 @@ _ERRORS: Mapping[int, tuple[str, str]] = {
     400: (
         "BadRequest",
         "INVALID_INPUT (naming the field: a body field, 'body' for a body that is not a JSON "
-        "object, or the 'X-Better-Compute' header) or UNSUPPORTED",
+        "object, 'request' for a request that is not valid HTTP, or the 'X-Better-Compute' "
+        "header; also a request the pool cannot serve: a device class or binding it does not "
+        "offer) or UNSUPPORTED",
     ),
     401: ("Unauthenticated", "ACCESS_DENIED: the bearer token is missing or not valid"),
     402: ("SpendLimitReached", "SPEND_LIMIT_REACHED: the caller's budget is spent"),
     403: ("Forbidden", "ACCESS_DENIED (tenant pre-check or policy) or CONFIRMATION_REQUIRED"),
     404: ("NotFound", "NOT_FOUND: the reservation or pool, or the route, does not exist"),
+    408: ("TimedOut", "INVALID_INPUT with field 'body': the body did not arrive in time"),
     405: ("MethodNotAllowed", "INVALID_INPUT with field 'method': operations are POST only"),
     409: ("Conflict", "CONFLICT (details.reservationId) or INVALID_STATE"),
     413: ("TooLarge", "INVALID_INPUT with field 'body': the body is over the size limit"),
@@ -177,7 +189,10 @@ def document(ops: Sequence[operations.Operation] = operations.OPERATIONS) -> dic
     """The whole document, for ``GET /api/compute/openapi.json``."""
     models = list({op.model: None for op in ops})
     _, top = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
-    schemas: dict[str, Any] = dict(top.get("$defs", {}))
+    schemas: dict[str, Any] = {
+        name: _nullable(schema) for name, schema in top.get("$defs", {}).items()
+    }
+    _exact(schemas)
     for op in ops:
         if op.optional:
             schemas[op.schema_name] = _relaxed(schemas[op.model.__name__], op.optional)
@@ -212,8 +227,11 @@ def document(ops: Sequence[operations.Operation] = operations.OPERATIONS) -> dic
                     "name": "X-Request-Id",
                     "in": "header",
                     "required": False,
-                    "description": "Echoed in the answer; one is made up when absent.",
-                    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
+                    "description": (
+                        "Echoed in the answer when it is 1-128 characters of "
+                        "[A-Za-z0-9._:-]; otherwise (or when absent) a new one is made up."
+                    ),
+                    "schema": {"type": "string"},
                 },
             },
             "responses": {
@@ -244,6 +262,7 @@ def _operation(op: operations.Operation) -> dict[str, Any]:
         "responses": {
             "200": {
                 "description": "The answer, in the data envelope.",
+                **({"links": _LINKS} if op.name == "reservations.create" else {}),
                 "content": {
                     "application/json": {
                         "schema": {
@@ -261,6 +280,20 @@ def _operation(op: operations.Operation) -> dict[str, Any]:
             },
         },
     }
+
+
+# What a client can do next with the reservation a create answered (stateful tests follow these).
+_LINKS = {
+    f"{verb.capitalize()}It": {
+        "operationId": f"reservations.{verb}",
+        "requestBody": {
+            "tenantId": "$response.body#/data/tenantId",
+            "reservationId": "$response.body#/data/id",
+        },
+        "description": f"reservations.{verb} on the reservation just created.",
+    }
+    for verb in ("get", "extend", "renew", "release", "cancel")
+}
 
 
 def _plain_paths() -> dict[str, Any]:
@@ -292,6 +325,128 @@ def _plain_paths() -> dict[str, Any]:
         "/readyz": readyz,
         "/metrics": get("Prometheus metrics", "text/plain", {"type": "string"}),
     }
+
+
+# A duration as text, largest unit first: the server's grammar (``core.durations``), with each
+# part at most a few digits and the first not zero, so that every text the pattern admits is
+# between 1 ms and 366 days (the server also reads longer spellings within that range).
+_UNIT_DIGITS = (("d", 2), ("h", 3), ("m", 4), ("s", 5), ("ms", 8))
+
+
+def _duration_pattern() -> str:
+    firsts = []
+    for i, (unit, digits) in enumerate(_UNIT_DIGITS):
+        rest = "".join(f"(?:[0-9]{{1,{d}}}{u})?" for u, d in _UNIT_DIGITS[i + 1 :])
+        firsts.append(f"[1-9][0-9]{{0,{digits - 1}}}{unit}{rest}")
+    return "^(?:[1-9][0-9]{0,9}|" + "|".join(firsts) + ")$"
+
+
+_DURATION_TEXT = {
+    "type": "string",
+    "pattern": _duration_pattern(),
+    "description": (
+        "A duration such as '8h', '90m' or '2h30m' (units d, h, m, s, ms, largest first, "
+        "ASCII digits), or a bare number of milliseconds; 1 ms to 366 days."
+    ),
+}
+_DURATION_MS = {
+    "type": "integer",
+    "minimum": 1,
+    "maximum": durations.MAX_DURATION_MS,
+    "description": "Milliseconds.",
+}
+_NULL = {"type": "null"}
+
+
+def _nullable(node: Any) -> Any:
+    """pydantic's ``anyOf: [{type: integer, minimum: 60}, {type: null}]`` as ``{type: [integer,
+    null], minimum: 60}``: the same set of values, in the form OpenAPI tools read best
+    (schemathesis's boundary cases ignore the bounds inside such an ``anyOf``)."""
+    if isinstance(node, list):
+        return [_nullable(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _nullable(value) for key, value in node.items()}
+    options = node.get("anyOf")
+    if (
+        isinstance(options, list)
+        and len(options) == 2
+        and options[1] == _NULL
+        and isinstance(options[0].get("type"), str)
+        and "$ref" not in options[0]
+    ):
+        rest = {key: value for key, value in node.items() if key != "anyOf"}
+        node = {**options[0], **rest, "type": [options[0]["type"], "null"]}
+    return node
+
+
+def _exact(schemas: dict[str, Any]) -> None:
+    """Add to the generated schemas the rules the input models check in code."""
+    device = schemas["DeviceRequest"]
+    device["oneOf"] = [
+        {"properties": {"class": {"const": "gpu"}, "profile": _NULL}},
+        {
+            "required": ["profile"],
+            "properties": {
+                "class": {"const": "mig"},
+                "profile": {**device["properties"]["profile"], "type": "string"},
+                "topology": {"const": "any"},
+            },
+        },
+        {
+            "properties": {
+                "class": {"const": "slot"},
+                "profile": _NULL,
+                "topology": {"const": "any"},
+            }
+        },
+    ]
+    device["description"] = (
+        "'profile' is for class 'mig' (and required there); 'nvlink-all' is for class 'gpu'."
+    )
+
+    create = schemas["CreateInput"]
+    props = create["properties"]
+    props["binding"]["enum"] = [b for b in props["binding"]["enum"] if b != "instance"]
+    props["binding"]["description"] = "'instance' is not served yet (400 UNSUPPORTED)."
+    props["duration"] = {"oneOf": [_DURATION_MS, _DURATION_TEXT]}
+    latest_start = requests.MAX_EPOCH_MS - durations.MAX_DURATION_MS
+    props["start"]["maximum"] = latest_start
+    props["start"]["description"] = (
+        "Epoch milliseconds. start + duration must end by 9999-12-31; any start up to "
+        f"{latest_start} always does."
+    )
+    create["oneOf"] = [
+        {
+            "required": ["binding", "node"],
+            "properties": {
+                "binding": {"const": "node"},
+                "node": _ref("NodeProfile"),
+                "spot": {"const": False},
+            },
+        },
+        {"properties": {"binding": {"enum": ["hold", "kubernetes"]}, "node": _NULL}},
+    ]
+    create["description"] = (
+        "binding 'node' needs 'node' and is never spot; no other binding has 'node'."
+    )
+
+    schemas["ListInput"]["properties"]["state"] = {
+        "enum": [*(state.value for state in states.State), None],
+        "default": None,
+        "description": "Only reservations in this state.",
+    }
+
+    extend = schemas["ExtendInput"]
+    until = {**extend["properties"]["until"], "type": "integer"}
+    del until["default"]
+    by: dict[str, Any] = {"oneOf": [_DURATION_MS, _DURATION_TEXT]}
+    extend["properties"]["by"] = {"anyOf": [*by["oneOf"], _NULL], "default": None}
+    extend["oneOf"] = [
+        {"required": ["until"], "properties": {"until": until, "by": _NULL}},
+        {"required": ["by"], "properties": {"by": by, "until": _NULL}},
+    ]
+    extend["description"] = "Exactly one of 'until' (epoch ms) or 'by' (a duration), not null."
 
 
 def _relaxed(schema: Mapping[str, Any], optional: Sequence[str]) -> dict[str, Any]:

@@ -11,7 +11,10 @@ import re
 MS_PER_UNIT = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "ms": 1}
 
 # Units must appear largest first and at most once ('2h30m', not '30m2h' or '1h1h').
-_PART = re.compile(r"(\d{1,12})(ms|d|h|m|s)")
+# ASCII digits only: Python's ``\d``, ``str.isdigit`` and ``int`` also read other scripts'
+# digits ('١٢h'), which no client means and no log reader expects.
+_PART = re.compile(r"([0-9]{1,12})(ms|d|h|m|s)")
+_DIGITS = re.compile(r"[0-9]{1,15}")
 _ORDER = ["d", "h", "m", "s", "ms"]
 
 #: The longest window one request may ask for; longer is almost certainly a typo.
@@ -45,7 +48,7 @@ def parse_duration_ms(value: object) -> int:
 def _parse_text(text: str) -> int:
     if not text:
         raise DurationError("must not be empty")
-    if text.isdigit():
+    if _DIGITS.fullmatch(text):
         return int(text)
     pos = 0
     total = 0

@@ -53,6 +53,18 @@ Binding = Literal["hold", "kubernetes", "node", "instance"]
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        # JSON has one number type, and JSON Schema's "integer" includes 168.0: an integral
+        # float is the integer it equals. Strings, booleans and 1.5 stay refused (StrictInt).
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: int(value) if isinstance(value, float) and value.is_integer() else value
+            for key, value in data.items()
+        }
+
 
 class DeviceRequest(_Input):
     device_class: DeviceClass = Field(alias="class")

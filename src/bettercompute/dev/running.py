@@ -47,6 +47,7 @@ from rich.table import Table
 from rich.text import Text
 
 from bettercompute import supervising
+from bettercompute.api import serving
 from bettercompute.api.app import make_app
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
@@ -286,8 +287,13 @@ async def started(
             # Bounded well under a second: a probe must not wait on a database that is away.
             return not any(t.done() for t in tasks) and await db.reachable()
 
-        app = make_app(service=service, authenticator=authenticator, ready=ready)
-        runner = web.AppRunner(app, access_log=None)
+        app = make_app(
+            service=service,
+            authenticator=authenticator,
+            ready=ready,
+            metrics_token=serving.metrics_token_from_env(),
+        )
+        runner = serving.Runner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, host, port)

@@ -30,6 +30,7 @@ import typer
 from aiohttp import web
 
 from bettercompute import supervising
+from bettercompute.api import serving
 from bettercompute.api.app import make_app
 from bettercompute.core.errors import ComputeError
 from bettercompute.core.ports import PolicyEngine
@@ -227,8 +228,9 @@ async def started(
                 kube, tenant_group_prefix=config.tenant_group_prefix
             ),
             ready=is_ready,
+            metrics_token=serving.metrics_token_from_env(),
         )
-        runner = web.AppRunner(app, access_log=None)
+        runner = serving.Runner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.http_host, config.http_port)

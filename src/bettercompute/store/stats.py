@@ -4,8 +4,10 @@ Why here: ``/metrics`` shows the state of the system, not only what one process 
 database is where that state lives. Read at scrape time, so the figures are never stale and no
 process keeps counters of its own that could drift from the tables.
 
-What it must never do: write or lock. Two aggregate reads in one round trip; a scrape every few
-seconds costs the database next to nothing.
+What it must never do: write or lock. Two aggregate reads in one round trip. The first scans
+every reservation row, terminal ones included, so its cost grows with history: the API calls it
+through ``api.metrics.CachedCounts``, at most once every few seconds however often ``/metrics``
+is scraped and by however many scrapers.
 """
 
 from __future__ import annotations
