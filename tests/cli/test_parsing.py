@@ -4,6 +4,7 @@ No server, no clock."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -166,3 +167,20 @@ def test_a_window_shows_its_length_to_the_second():
         "2026-09-21T14:13:20Z → 2026-09-22T02:13:29Z (12h10s)"
     )
     assert output.describe_window(None) == "-"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: parsing.parse_duration("١٢h"),
+        lambda: parsing.parse_duration("１２h"),
+        lambda: parsing.parse_time("١٧٩٠٠٠٠٠٠٠٠٠٠", now_ms=NOW),
+        lambda: parsing.parse_time("+١٢h", now_ms=NOW),
+        lambda: parsing.parse_query("conditions[٠].type"),
+    ],
+    ids=["arabic-duration", "fullwidth-duration", "arabic-epoch", "arabic-offset", "arabic-index"],
+)
+def test_only_ascii_digits_are_numbers(call: Callable[[], object]) -> None:
+    # Python's int() and str.isdigit() read other scripts' digits; the CLI must not.
+    with pytest.raises(ParseError):
+        call()

@@ -206,7 +206,8 @@ def test_ctrl_c_stops_within_5_s_while_a_client_holds_a_half_sent_body(
         time.sleep(0.3)
         code, seconds = dev.stop()
     assert seconds < STOP_BOUND_S, dev.output()
-    assert code in (0, 130), dev.output()
+    # A clean stop, not the forced one: the HTTP server gives a half-sent body 2 s at most.
+    assert code == 0, dev.output()
     assert gone(server)
     assert servers_on(state) == []
 

@@ -244,8 +244,8 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
     figures = request.app[METRICS]
     try:
         counts = await request.app[COUNTS].read()
-    except StoreError:
-        log.warning("metrics: cannot read counts from the database", exc_info=True)
+    except StoreError as e:
+        log.warning("metrics: cannot read counts from the database: %s", e)
         figures.database_down()
     else:
         figures.update(
@@ -305,8 +305,10 @@ async def _pipeline(request: web.Request, handler: Handler) -> web.StreamRespons
         log.info("request %s: cancelled (client gone or server stopping)", request_id)
         _observe(request, started, CLIENT_CLOSED)
         raise
-    except StoreError:
-        log.warning("request %s: the database is unavailable", request_id, exc_info=True)
+    except StoreError as e:
+        # One line, no traceback: during an outage every request lands here, and the cause
+        # is the database's, not this code's.
+        log.warning("request %s: the database is unavailable: %s", request_id, e)
         response, outcome = _unavailable(request_id), errors.UNAVAILABLE
     except Exception:
         # Logged with the id the caller is given, so a report can be matched to its traceback.

@@ -18,7 +18,7 @@ and its ``Server`` header names the Python and aiohttp versions. ``Runner`` is a
                                       requests) is closed (aiohttp's own timer)
 ``max_connections``         512       a connection beyond it is answered 503 ``UNAVAILABLE``
                                       with ``Retry-After: 1`` and closed at once
-``shutdown_timeout``        2 s       on stop, requests in flight get this long to finish, then
+``shutdown_timeout``        1 s       on stop, requests in flight get this long to finish, then
                                       are cancelled (and get as long again to unwind)
 ==========================  ========  ==========================================================
 
@@ -71,7 +71,7 @@ class HttpLimits:
     body_timeout: float = 10.0
     keepalive_timeout: float = 15.0
     max_connections: int = 512
-    shutdown_timeout: float = 2.0
+    shutdown_timeout: float = 1.0
 
 
 class Runner(web.AppRunner):

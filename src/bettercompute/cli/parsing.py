@@ -46,7 +46,7 @@ def parse_duration(text: str) -> int:
     ``--for 8`` means eight hours to a person and eight milliseconds to the server.
     """
     value = text.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         raise ParseError(f"{text!r} has no unit: write a duration such as 8h, 90m or 2h30m")
     try:
         return durations.parse_duration_ms(value)
@@ -71,7 +71,7 @@ def parse_time(text: str, *, now_ms: int, local: dt.tzinfo | None = None) -> int
         return now_ms
     if value.startswith("+"):
         return _bounded(now_ms + parse_duration(value[1:]), text)
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         ms = int(value)
         if ms < SMALLEST_EPOCH_MS:
             raise ParseError(
@@ -120,7 +120,7 @@ def format_duration(ms: int) -> str:
 
 # --- query paths ---------------------------------------------------------------------------
 
-_SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_SEGMENT = re.compile(r"([^.\[\]]+)|\[([0-9]+)\]")
 
 
 def parse_query(path: str) -> list[str | int]:
@@ -142,7 +142,7 @@ def parse_query(path: str) -> list[str | int]:
         name, index = match.groups()
         if index is not None:
             steps.append(int(index))
-        elif name.isdigit():
+        elif name.isascii() and name.isdigit():
             steps.append(int(name))
         else:
             steps.append(name)

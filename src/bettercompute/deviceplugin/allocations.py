@@ -268,7 +268,7 @@ def inventory_problems(*, inventory: Inventory, allocation: Allocation) -> list[
                 )
         else:
             gpu_uuid, separator, k = device_id.rpartition("::")
-            if not separator or not k.isdigit() or gpu_uuid != parent:
+            if not separator or not (k.isascii() and k.isdigit()) or gpu_uuid != parent:
                 problems.append(f"slot {device_id} is not '<parent gpu uuid>::<k>' of {parent}")
             elif gpu_uuid not in gpus:
                 problems.append(f"slot {device_id}: GPU {gpu_uuid} is not in this node's inventory")

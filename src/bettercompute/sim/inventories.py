@@ -73,7 +73,7 @@ def mig_uuid(node_name: str, index: int, profile: str, instance: int) -> str:
 def mig_slices(profile: str) -> int:
     """Compute slices a MIG profile takes: ``3g.40gb`` takes 3."""
     head = profile.split("g.", 1)[0]
-    if not head.isdigit() or "g." not in profile:
+    if not (head.isascii() and head.isdigit()) or "g." not in profile:
         raise ValueError(f"not a MIG profile: {profile!r} (expected e.g. '1g.10gb')")
     return int(head)
 

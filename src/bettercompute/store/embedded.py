@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +123,17 @@ class EmbeddedPostgres:
             with self._package.PostgresServer._lock:
                 _forget_dead(self._holders)
                 others = [pid for pid in self._holders.get() if pid != os.getpid()]
+            delete = False
             if not others:
                 self.kill_fast()
-            # The package's bookkeeping (its pid list, its instances, "delete" mode); with the
-            # server gone it has nothing left to wait for.
+                # The server is down: the package need only drop its bookkeeping (its pid list,
+                # its instances). Left to stop the server itself, it would take the exited but
+                # not yet reaped process for a live one and wait two seconds on it.
+                delete = self._server.cleanup_mode == "delete"
+                self._server.cleanup_mode = None
             self._server.cleanup()
+            if delete:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def kill_fast(self, *, wait_s: float = STOP_WAIT_S) -> None:
         """Fast shutdown now: SIGINT to the server (woken first, in case it was frozen),
@@ -141,16 +149,32 @@ class EmbeddedPostgres:
             for each in family:
                 each.send_signal(signal.SIGCONT)
             server.send_signal(signal.SIGINT)  # PostgreSQL's "fast" shutdown
-            try:
-                server.wait(wait_s)
-            except psutil.TimeoutExpired:
+            if not _ended(server, within_s=wait_s):
                 log.warning("PostgreSQL (pid %s) did not stop in %g s: killing it", pid, wait_s)
                 for each in family:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         each.kill()
-                server.wait(STOP_WAIT_S)
+                _ended(server, within_s=STOP_WAIT_S)
         except psutil.NoSuchProcess:
             pass  # already gone
+
+
+def _ended(server: psutil.Process, *, within_s: float) -> bool:
+    """Wait until ``server`` has exited, at most ``within_s``; whether it did.
+
+    Why not ``psutil.Process.wait``: the server is not our child, so that waits until the init
+    process reaps it, which here takes up to two seconds after it exited. A zombie has ended.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if server.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def _exists(pid: int) -> bool:

@@ -16,7 +16,7 @@ import psycopg
 
 # An arbitrary constant: the lock id every replica agrees on.
 _LOCK_ID = 0x6263_6D69_6772  # "bcmigr"
-_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_NAME = re.compile(r"^([0-9]{4})_[a-z0-9_]+\.sql$")
 
 
 def migration_files() -> list[tuple[int, str, str]]:
