@@ -220,16 +220,23 @@ def test_a_second_ctrl_c_stops_at_once_and_still_stops_postgres(
     devs.append(dev)
     dev.wait_ready()
     server = postmaster(state)
-    # Frozen, PostgreSQL would hold a graceful stop up for seconds; a second Ctrl-C does not wait.
+    # A half-sent body holds the graceful stop up for a second, and a frozen PostgreSQL must
+    # still be stopped: a second signal does not wait for either.
     family = [psutil.Process(server), *psutil.Process(server).children(recursive=True)]
     for each in family:
         each.suspend()
     try:
-        began = time.monotonic()
-        dev.process.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        code, _ = dev.stop(signal.SIGTERM)
-        seconds = time.monotonic() - began
+        with socket.create_connection(("127.0.0.1", dev.port)) as slow:
+            slow.sendall(
+                b"POST /api/compute/reservations/create HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"tenantId"'
+            )
+            time.sleep(0.3)
+            began = time.monotonic()
+            dev.process.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            code, _ = dev.stop(signal.SIGTERM)
+            seconds = time.monotonic() - began
     finally:
         for each in family:
             with contextlib.suppress(psutil.Error):
