@@ -99,6 +99,18 @@ class DevProcess:
             self.process.wait()
 
 
+@contextlib.contextmanager
+def half_sent_body(port: int) -> Iterator[None]:
+    """A client that announced a 1,000-byte body and sent a few bytes of it, then waits."""
+    with socket.create_connection(("127.0.0.1", port)) as slow:
+        slow.sendall(
+            b"POST /api/compute/reservations/create HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"tenantId"'
+        )
+        time.sleep(0.3)  # the server has read the headers and waits in the body
+        yield
+
+
 def _command(port: int, state: Path) -> list[str]:
     args = ["--port", str(port), "--state-dir", str(state), "--sim", "1"]
     script = Path(sys.executable).with_name("better-compute")
@@ -198,15 +210,10 @@ def test_ctrl_c_stops_within_5_s_while_a_client_holds_a_half_sent_body(
     devs.append(dev)
     dev.wait_ready()
     server = postmaster(state)
-    with socket.create_connection(("127.0.0.1", dev.port)) as slow:
-        slow.sendall(
-            b"POST /api/compute/reservations/create HTTP/1.1\r\nHost: x\r\n"
-            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"tenantId"'
-        )
-        time.sleep(0.3)
+    with half_sent_body(dev.port):
         code, seconds = dev.stop()
     assert seconds < STOP_BOUND_S, dev.output()
-    # A clean stop, not the forced one: the HTTP server gives a half-sent body 2 s at most.
+    # A clean stop, not the forced one: the HTTP server gives a half-sent body 1 s at most.
     assert code == 0, dev.output()
     assert gone(server)
     assert servers_on(state) == []
@@ -226,12 +233,7 @@ def test_a_second_ctrl_c_stops_at_once_and_still_stops_postgres(
     for each in family:
         each.suspend()
     try:
-        with socket.create_connection(("127.0.0.1", dev.port)) as slow:
-            slow.sendall(
-                b"POST /api/compute/reservations/create HTTP/1.1\r\nHost: x\r\n"
-                b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"tenantId"'
-            )
-            time.sleep(0.3)
+        with half_sent_body(dev.port):
             began = time.monotonic()
             dev.process.send_signal(signal.SIGINT)
             time.sleep(0.3)

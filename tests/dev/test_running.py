@@ -25,6 +25,7 @@ import pytest
 from bettercompute.dev import running
 from bettercompute.dev.running import Dev, DevError
 from bettercompute.deviceplugin import devicefiles
+from tests.support import database
 
 # The guide's "Reserve GPUs" HTTP example, in the demo's H100 pool.
 GUIDE_BODY = {
@@ -278,14 +279,8 @@ def test_the_command_serves_until_sigint_then_exits_0(
 def scratch_database(pg_server_dsn: str) -> Iterator[str]:
     """A database of its own on the session's server, dropped afterwards."""
     name = "bettercompute_dev_scratch"
-    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {name}")
-    info = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
-    info["dbname"] = name
-    yield psycopg.conninfo.make_conninfo(**info)
-    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    yield database.fresh_database(pg_server_dsn, name)
+    database.drop_database(pg_server_dsn, name)
 
 
 async def test_a_given_database_is_used_instead_of_an_embedded_one(

@@ -42,15 +42,25 @@ def pg_server_dsn() -> Iterator[str]:
         server.stop()
 
 
+def fresh_database(server_dsn: str, name: str) -> str:
+    """An empty database ``name`` on the server (dropped first if it exists); its DSN."""
+    drop_database(server_dsn, name)
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    info = psycopg.conninfo.conninfo_to_dict(server_dsn)
+    info["dbname"] = name
+    return psycopg.conninfo.make_conninfo(**info)
+
+
+def drop_database(server_dsn: str, name: str) -> None:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 @pytest.fixture(scope="session")
 def pg_dsn(pg_server_dsn: str) -> str:
     """A fresh database for this session on that server."""
-    with psycopg.connect(pg_server_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {TEST_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {TEST_DB}")
-    info = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
-    info["dbname"] = TEST_DB
-    return psycopg.conninfo.make_conninfo(**info)
+    return fresh_database(pg_server_dsn, TEST_DB)
 
 
 @pytest.fixture(scope="session")
