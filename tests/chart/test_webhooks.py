@@ -197,3 +197,30 @@ def test_network_policies_leave_the_webhook_open_and_limit_the_rest(
     (metrics,) = plugin["spec"]["ingress"]
     assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+
+
+def test_a_metrics_token_secret_reaches_the_operator_and_the_service_monitor(render):
+    rendered = render(
+        {
+            "metrics": {
+                "tokenSecret": {"name": "bcd-metrics", "key": "token"},
+                "serviceMonitor": {"enabled": True},
+            }
+        }
+    )
+    (container,) = rendering.containers(rendered.one("StatefulSet"))
+    env = rendering.env_of(container)
+    assert env["BETTER_COMPUTE_METRICS_TOKEN"] == {
+        "secretKeyRef": {"name": "bcd-metrics", "key": "token"}
+    }
+    operator = rendered.one("ServiceMonitor", "bc-better-compute-operator")
+    (endpoint,) = operator["spec"]["endpoints"]
+    assert endpoint["bearerTokenSecret"] == {"name": "bcd-metrics", "key": "token"}
+
+
+def test_metrics_are_open_without_a_token_secret(render):
+    rendered = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    (container,) = rendering.containers(rendered.one("StatefulSet"))
+    assert "BETTER_COMPUTE_METRICS_TOKEN" not in rendering.env_of(container)
+    operator = rendered.one("ServiceMonitor", "bc-better-compute-operator")
+    assert "bearerTokenSecret" not in operator["spec"]["endpoints"][0]
