@@ -322,7 +322,7 @@ def test_the_default_limits_are_the_documented_ones():
         body_timeout=10.0,
         keepalive_timeout=15.0,
         max_connections=512,
-        shutdown_timeout=2.0,
+        shutdown_timeout=1.0,
     )
 
 
