@@ -872,14 +872,15 @@ class Chaos:
             return  # after our SIGKILL, a PostgreSQL left running is no fault of its own
         if code != 0:
             self.failures.append(f"kill {number}: Ctrl-C exit code {code}")
-        if postmaster is not None and not self.opts.database_url:
-            with contextlib.suppress(psutil.TimeoutExpired):
-                postmaster.wait(2)
-            if postmaster.is_running():
-                self.failures.append(
-                    f"kill {number}: Ctrl-C left PostgreSQL (pid {postmaster.pid}) running"
-                )
-                record.note += " PostgreSQL left running;"
+        if (
+            postmaster is not None
+            and not self.opts.database_url
+            and await _still_running(postmaster, within_s=2)
+        ):
+            self.failures.append(
+                f"kill {number}: Ctrl-C left PostgreSQL (pid {postmaster.pid}) running"
+            )
+            record.note += " PostgreSQL left running;"
 
     async def restart(self) -> None:
         """SIGKILL and start again a server that did not recover, so the run stays bounded."""
@@ -1322,6 +1323,22 @@ Examples:
         json_path=a.json_path,
         budget=a.budget,
     )
+
+
+async def _still_running(process: psutil.Process, *, within_s: float) -> bool:
+    """Whether ``process`` is still running after up to ``within_s``. An exited process that
+    its parent (the init process, for PostgreSQL) has not reaped yet is a zombie: it has
+    stopped, though ``psutil.Process.is_running`` and ``wait`` still count it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        await asyncio.sleep(0.05)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -341,3 +341,66 @@ async def test_the_server_side_limits_ride_on_every_connection(stack: Stack) -> 
         assert row == {"statement_timeout": "30s"}
         row = await (await conn.execute("SHOW client_connection_check_interval")).fetchone()
         assert row == {"client_connection_check_interval": "1s"}
+
+
+class FreezingPolicy:
+    """The default Cedar policies, except that the first extend decision freezes PostgreSQL
+    (as if the database hung right after the extend took its hold) and the server is thawed
+    ``frozen_s`` later, in the background."""
+
+    def __init__(self, stack: Stack, *, frozen_s: float):
+        self.engine = policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES)
+        self.stack = stack
+        self.frozen_s = frozen_s
+        self.thawed = asyncio.Event()
+        self._froze = False
+
+    async def decide(self, request: ports.DecisionRequest) -> ports.Decision:
+        if request.action == ports.EXTEND and not self._froze:
+            self._froze = True
+            family = _family(self.stack.pg)
+            for each in family:
+                each.send_signal(signal.SIGSTOP)
+
+            async def thaw() -> None:
+                await asyncio.sleep(self.frozen_s)
+                for each in family:
+                    each.send_signal(signal.SIGCONT)
+                self.thawed.set()
+
+            asyncio.get_running_loop().create_task(thaw())
+        return await self.engine.decide(request)
+
+
+async def test_a_hold_the_database_hung_on_is_given_back_once_it_answers(stack: Stack) -> None:
+    # The hold's holder session stays alive through a freeze, so only giving the hold back
+    # frees it; the request could not, since the database hung longer than the request's own
+    # bound and that of giving back (2.5 s each). The retry must not wait out the hold's 60 s
+    # age limit.
+    policy = FreezingPolicy(stack, frozen_s=6.0)
+    service = ReservationService(
+        db=stack.db, policy=policy, budget=DatabaseBudget(stack.db), root_tenant_id="root"
+    )
+    alice = ports.Caller(identity_id="alice", tenant_id="acme")
+    rid = await acknowledged(stack, "hold-through-a-freeze")
+    got = (await get(stack, rid)).json()["data"]
+    extend = {
+        "tenantId": "acme",
+        "reservationId": rid,
+        "until": got["during"]["end"] + 3_600_000,
+        "idempotencyKey": "extend-through-a-freeze",
+    }
+    with pytest.raises(StoreError):
+        await service.extend(alice, extend)
+    await asyncio.wait_for(policy.thawed.wait(), timeout=10)
+    began = time.monotonic()
+    while True:
+        try:
+            answer = await service.extend(alice, extend)
+            break
+        except StoreError:
+            # The pool is still reconnecting after the thaw; a client would retry too.
+            assert time.monotonic() - began < 10
+            await asyncio.sleep(0.2)
+    assert answer["extended"] is True
+    assert time.monotonic() - began < 10  # not the 60 s age limit of a hold

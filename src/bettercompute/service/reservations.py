@@ -14,11 +14,13 @@ Handlers here are a few lines around store calls; nothing here speaks SQL.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from bettercompute import supervising
 from bettercompute.core import errors, ids, ports, requests, states
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import (
@@ -33,7 +35,7 @@ from bettercompute.store import (
     stats,
     views,
 )
-from bettercompute.store.database import Database
+from bettercompute.store.database import Database, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,12 @@ SAME_KEY_WAIT_S = 35.0
 RESERVATION = "compute-reservation"
 #: Stands in for the idempotency key a preview may leave out; a preview stores nothing.
 PREVIEW_KEY = "capacity-preview"
+#: How long a failed request waits for its claim or hold to be given back before it answers:
+#: a moment (giving back takes milliseconds), never so long that a 503 comes later than 3 s.
+GIVE_BACK_WAIT_S = 0.25
+#: How long giving back is retried in the background: the longest age limit (an extend hold's
+#: 60 s), after which the claim or hold is free anyway.
+GIVE_BACK_FOR_S = 60.0
 
 
 class ReservationService:
@@ -67,6 +75,8 @@ class ReservationService:
         # the database; the claim in the idempotency row does the same across replicas.
         self._in_flight: dict[str, asyncio.Event] = {}
         self._observers: list[ports.AdmissionObserver] = []
+        # Claims and holds whose giving back the database did not take yet (see _give_back).
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     def add_observer(self, observer: ports.AdmissionObserver) -> None:
         """Report decision and placement latencies to ``observer`` too (metrics)."""
@@ -83,7 +93,40 @@ class ReservationService:
 
     async def close(self) -> None:
         """Give back this process's holder session: claims still held end now."""
+        await supervising.cancel(self._giving_back)
         await self.holder.close()
+
+    async def _give_back(self, what: str, give_back: Callable[[], Awaitable[None]]) -> None:
+        """Give back a claim or an extend hold after a request that took it failed.
+
+        Why not just once: the request may have failed because the database is away (frozen,
+        restarting), and then giving back fails too, while this process's holder session lives
+        on, so the claim would block the client's retry until its age limit (30 s, holds 60 s).
+        So it is tried at once, waited for a moment, and retried in the background until the
+        database takes it or the age limit has freed it anyway. Survives the request being
+        cancelled; never raises.
+        """
+        task = asyncio.create_task(self._keep_giving_back(what, give_back), name=what)
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+        # Not asyncio.shield: a cancelled request stops waiting here, the task goes on.
+        await asyncio.wait({task}, timeout=GIVE_BACK_WAIT_S)
+
+    async def _keep_giving_back(self, what: str, give_back: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + GIVE_BACK_FOR_S
+        backoff = supervising.Backoff(first_s=0.2, max_s=2.0)
+        while True:
+            try:
+                await give_back()
+                return
+            except StoreError as e:
+                if loop.time() > give_up:
+                    log.warning(
+                        "%s: the database did not take it; its age limit frees it: %s", what, e
+                    )
+                    return
+                await backoff.wait()
 
     @classmethod
     async def start(
@@ -230,27 +273,23 @@ class ReservationService:
             for observer in self._observers:
                 observer.placed(outcome=view["state"], seconds=seconds)
             return view
-        except ComputeError as e:
-            # The draft stays: the same key is decided again on retry (quota, budget).
-            await admission.abandon(
-                self.db,
-                draft=draft,
-                actor=caller.identity_id,
-                tenant_id=tenant,
-                outcome=e.code.value,
-                context={**context, "error": e.to_dict()},
-            )
-            raise
-        except BaseException:
-            await asyncio.shield(
-                admission.abandon(
+        except BaseException as e:
+            # The draft stays: the same key is decided again on retry (quota, budget, a
+            # database that was away, a cancelled request).
+            outcome, audited = "abandoned", context
+            if isinstance(e, ComputeError):
+                outcome, audited = e.code.value, {**context, "error": e.to_dict()}
+            await self._give_back(
+                f"the claim of {rid}",
+                functools.partial(
+                    admission.abandon,
                     self.db,
                     draft=draft,
                     actor=caller.identity_id,
                     tenant_id=tenant,
-                    outcome="abandoned",
-                    context=context,
-                )
+                    outcome=outcome,
+                    context=audited,
+                ),
             )
             raise
 
@@ -448,7 +487,10 @@ class ReservationService:
         except BaseException:
             # A refusal or an abandon clears the pending change (only when the hold is ours),
             # so a refused lifetime never reaches later decisions on the reservation.
-            await asyncio.shield(extending.extend_clear(self.db, reservation_id=rid, hold=hold))
+            await self._give_back(
+                f"the extend hold of {rid}",
+                functools.partial(extending.extend_clear, self.db, reservation_id=rid, hold=hold),
+            )
             raise
         answer: dict[str, Any] = {
             "reservation": await self._view(rid),
