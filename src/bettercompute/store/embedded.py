@@ -79,7 +79,14 @@ class EmbeddedPostgres:
 
     @property
     def pid(self) -> int | None:
-        """The server's (postmaster's) pid, as it was when last started or adopted."""
+        """The server's (postmaster's) pid: the first line of its ``postmaster.pid``, which the
+        server itself writes, else as the package last saw it.
+
+        Why the file first: after restarts the package's record can lag behind the server that
+        actually runs, and a stop must signal the running one.
+        """
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int((self.data_dir / "postmaster.pid").read_text().split()[0])
         pid = self._server.get_pid()
         return None if pid is None else int(pid)
 
@@ -124,7 +131,10 @@ class EmbeddedPostgres:
                 _forget_dead(self._holders)
                 others = [pid for pid in self._holders.get() if pid != os.getpid()]
             delete = False
-            if not others:
+            if others:
+                log.info("leaving PostgreSQL running for processes %s that still use it", others)
+            else:
+                log.info("stopping PostgreSQL (pid %s)", self.pid)
                 self.kill_fast()
                 # The server is down: the package need only drop its bookkeeping (its pid list,
                 # its instances). Left to stop the server itself, it would take the exited but
@@ -147,7 +157,10 @@ class EmbeddedPostgres:
             server = psutil.Process(pid)
             family = [server, *server.children(recursive=True)]
             for each in family:
-                each.send_signal(signal.SIGCONT)
+                # Per process: a child may exit between the listing and the signal (right after
+                # a restart the startup process does), and that must not skip the shutdown.
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    each.send_signal(signal.SIGCONT)
             server.send_signal(signal.SIGINT)  # PostgreSQL's "fast" shutdown
             if not _ended(server, within_s=wait_s):
                 log.warning("PostgreSQL (pid %s) did not stop in %g s: killing it", pid, wait_s)
@@ -156,7 +169,7 @@ class EmbeddedPostgres:
                         each.kill()
                 _ended(server, within_s=STOP_WAIT_S)
         except psutil.NoSuchProcess:
-            pass  # already gone
+            pass  # the server itself is gone
 
 
 def _ended(server: psutil.Process, *, within_s: float) -> bool:
