@@ -31,12 +31,13 @@ from aiohttp import web
 from bettercompute import supervising
 from bettercompute.api.app import make_app
 from bettercompute.core import ports
+from bettercompute.core.errors import StoreError
 from bettercompute.iam import identities, policies
 from bettercompute.service.events import EventDelivery
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, Limits, StoreError
+from bettercompute.store.database import Database, Limits
 from bettercompute.store.embedded import EmbeddedPostgres
 from tests.support.world import World
 

@@ -69,10 +69,9 @@ from aiohttp import http_exceptions, web
 
 from bettercompute.api import errors, metrics, openapi, operations
 from bettercompute.core import ids, ports
-from bettercompute.core.errors import ComputeError
+from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.iam.identities import CachingAuthenticator
 from bettercompute.service.reservations import ReservationService
-from bettercompute.store.database import StoreError
 
 log = logging.getLogger(__name__)
 

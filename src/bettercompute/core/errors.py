@@ -8,6 +8,10 @@ Hierarchy::
 
     ComputeError            code + message + details
       (no subclasses: the code is the discriminator, so a door maps it with one table)
+    StoreError              the database failed (not the caller's mistake): 503 at a door
+
+``StoreError`` lives here, not in ``store``, so that the doors can tell an outage from a refusal
+without importing the store.
 
 This module must never import anything of ours, nor wrap library exceptions itself: the layer
 that catches a library exception (``store``, ``iam``) raises a ``ComputeError`` ``from`` it.
@@ -65,3 +69,7 @@ def access_denied(message: str = "access denied", **details: Any) -> ComputeErro
 
 def invalid_state(message: str, **details: Any) -> ComputeError:
     return ComputeError(ErrorCode.INVALID_STATE, message, details)
+
+
+class StoreError(Exception):
+    """The database could not be reached or answered unexpectedly (not a caller's mistake)."""

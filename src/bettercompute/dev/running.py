@@ -49,6 +49,7 @@ from rich.text import Text
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
+from bettercompute.core.errors import StoreError
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
 from bettercompute.dev.config import ConfigError, LoadedConfig
@@ -60,7 +61,7 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
 from bettercompute.sim.binding import NodeAgent
 from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, Limits, StoreError
+from bettercompute.store.database import Database, Limits
 from bettercompute.store.embedded import EmbeddedPostgres
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core.errors import ComputeError
+from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.operator import definitions, resources
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
-from bettercompute.store.database import StoreError
 
 log = logging.getLogger(__name__)
 

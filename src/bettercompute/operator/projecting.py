@@ -27,12 +27,11 @@ import random
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from bettercompute.core.errors import ComputeError
+from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.operator import resources, statuses
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
-from bettercompute.store.database import StoreError
 
 log = logging.getLogger(__name__)
 

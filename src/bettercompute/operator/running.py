@@ -32,7 +32,7 @@ from aiohttp import web
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
-from bettercompute.core.errors import ComputeError
+from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
 from bettercompute.operator import certificates, handlers, resources
@@ -51,7 +51,7 @@ from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import listening
 from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, Limits, StoreError
+from bettercompute.store.database import Database, Limits
 
 log = logging.getLogger(__name__)
 

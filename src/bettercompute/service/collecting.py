@@ -13,8 +13,9 @@ import asyncio
 import datetime as dt
 import logging
 
+from bettercompute.core.errors import StoreError
 from bettercompute.store import collecting
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bettercompute import supervising
+from bettercompute.core.errors import StoreError
 from bettercompute.store import listening, queries
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
 

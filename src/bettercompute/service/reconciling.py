@@ -16,8 +16,9 @@ import contextlib
 import logging
 
 from bettercompute import supervising
+from bettercompute.core.errors import StoreError
 from bettercompute.store import listening, reconciling
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
 

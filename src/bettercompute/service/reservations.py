@@ -22,7 +22,7 @@ from typing import Any
 
 from bettercompute import supervising
 from bettercompute.core import errors, ids, ports, requests, states
-from bettercompute.core.errors import ComputeError, ErrorCode
+from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
 from bettercompute.store import (
     admission,
     budgets,
@@ -35,7 +35,7 @@ from bettercompute.store import (
     stats,
     views,
 )
-from bettercompute.store.database import Database, StoreError
+from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ import psycopg.rows
 import psycopg_pool
 from psycopg.types.json import Jsonb
 
+from bettercompute.core.errors import StoreError
 from bettercompute.store import caching, migrating
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,6 @@ LIMIT_VARIABLES: Mapping[str, str] = {
     "statement_s": "BCD_DB_STATEMENT_TIMEOUT_S",
     "idle_in_transaction_s": "BCD_DB_IDLE_IN_TRANSACTION_TIMEOUT_S",
 }
-
-
-class StoreError(Exception):
-    """The database could not be reached or answered unexpectedly (not a caller's mistake)."""
 
 
 @dataclass(frozen=True)

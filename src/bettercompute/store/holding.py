@@ -27,7 +27,8 @@ from typing import Any
 import psycopg
 import psycopg.pq
 
-from bettercompute.store.database import Database, StoreError
+from bettercompute.core.errors import StoreError
+from bettercompute.store.database import Database
 
 #: How long connecting the holder may take before the request gets ``UNAVAILABLE``.
 CONNECT_TIMEOUT_S = 3

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bettercompute.store.database import Database, StoreError
+from bettercompute.core.errors import StoreError
+from bettercompute.store.database import Database
 
 #: A claim racing its own row's removal (the reservation row deleted) reads nothing back; a
 #: retry or two then inserts afresh.
