@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from bettercompute.operator import definitions, resources, webhooks
+from bettercompute.kube import names
+from bettercompute.operator import definitions, webhooks
 from tests.chart import rendering
 
 EXAMPLES = rendering.load_examples()
@@ -86,4 +87,4 @@ def test_the_pod_asks_for_what_its_reservation_books():
 
 def test_the_tenant_namespace_is_labelled():
     (namespace,) = [o for _, o in EXAMPLES if o["kind"] == "Namespace"]
-    assert namespace["metadata"]["labels"][resources.TENANT_LABEL] == "acme"
+    assert namespace["metadata"]["labels"][names.TENANT_LABEL] == "acme"

@@ -11,13 +11,13 @@ import copy
 import json
 from typing import Any
 
-from bettercompute.operator import resources
+from bettercompute.kube import names
 
 OPERATOR_NAMESPACE = "better-compute"
 
 
 def namespace(name: str, *, tenant: str | None) -> dict[str, Any]:
-    labels = {resources.TENANT_LABEL: tenant} if tenant else {}
+    labels = {names.TENANT_LABEL: tenant} if tenant else {}
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
 
 
@@ -33,7 +33,7 @@ def gpupool(
     offers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
-        "apiVersion": resources.API_VERSION,
+        "apiVersion": names.API_VERSION,
         "kind": "GPUPool",
         "metadata": {"name": name},
         "spec": {
@@ -51,7 +51,7 @@ def gpupool(
 def gpunode(name: str, *, pool: str) -> dict[str, Any]:
     """A GPUNode object (create it, then write ``gpunode_status`` to its status)."""
     return {
-        "apiVersion": resources.API_VERSION,
+        "apiVersion": names.API_VERSION,
         "kind": "GPUNode",
         "metadata": {"name": name, "labels": {"bcd.dev/pool": pool}},
         "spec": {},
@@ -99,7 +99,7 @@ def gpunode_status(name: str, *, gpus: int = 8, domains: int = 2, ready: bool = 
 class ReservationBuilder:
     def __init__(self, name: str, namespace: str):
         self._obj: dict[str, Any] = {
-            "apiVersion": resources.API_VERSION,
+            "apiVersion": names.API_VERSION,
             "kind": "Reservation",
             "metadata": {"name": name, "namespace": namespace, "annotations": {}},
             "spec": {
@@ -144,8 +144,8 @@ class ReservationBuilder:
     def by(self, user: str, *groups: str) -> ReservationBuilder:
         """Stamped as the mutating webhook would for ``user`` (kmock calls no webhooks)."""
         annotations = self._obj["metadata"]["annotations"]
-        annotations[resources.REQUESTED_BY] = user
-        annotations[resources.REQUESTED_BY_GROUPS] = json.dumps(sorted(groups))
+        annotations[names.REQUESTED_BY] = user
+        annotations[names.REQUESTED_BY_GROUPS] = json.dumps(sorted(groups))
         return self
 
     def obj(self) -> dict[str, Any]:

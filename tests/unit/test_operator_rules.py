@@ -9,7 +9,8 @@ import pytest
 
 from bettercompute.core import pools
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.operator import definitions, resources, statuses, webhooks
+from bettercompute.kube import allocations, names
+from bettercompute.operator import definitions, statuses, webhooks
 
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
 
@@ -76,18 +77,18 @@ def test_create_request_takes_the_namespace_tenant_and_defaults_the_key_to_the_u
 
 def test_caller_is_the_stamped_user_and_an_unstamped_object_is_refused_naming_the_annotation():
     caller = definitions.caller(
-        {resources.REQUESTED_BY: "alice", resources.REQUESTED_BY_GROUPS: '["ml","x"]'},
+        {names.REQUESTED_BY: "alice", names.REQUESTED_BY_GROUPS: '["ml","x"]'},
         tenant_id="acme",
     )
     assert (caller.identity_id, caller.tenant_id, caller.groups) == ("alice", "acme", ("ml", "x"))
     with pytest.raises(ComputeError) as refused:
         definitions.caller({}, tenant_id="acme")
     assert refused.value.code == ErrorCode.INVALID_INPUT
-    assert resources.REQUESTED_BY in refused.value.message
+    assert names.REQUESTED_BY in refused.value.message
 
 
 def test_a_namespace_without_a_tenant_label_is_refused_naming_it():
-    assert definitions.tenant_of("ml", {resources.TENANT_LABEL: "acme"}) == "acme"
+    assert definitions.tenant_of("ml", {names.TENANT_LABEL: "acme"}) == "acme"
     with pytest.raises(ComputeError, match=r"bcd\.dev/tenant"):
         definitions.tenant_of("ml", {})
 
@@ -179,11 +180,11 @@ def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node()
         "parentGpus": [GPU_A],
         "until": 123,
     }
-    manifest = definitions.allocation_manifest(item, node="n1", namespace="bc")
+    manifest = allocations.allocation_manifest(item, node="n1", namespace="bc")
     assert manifest["metadata"]["name"] == "alloc-01abc"
     assert manifest["metadata"]["labels"] == {
-        resources.NODE_LABEL: "n1",
-        resources.RESERVATION_LABEL: "rsv_x",
+        names.NODE_LABEL: "n1",
+        names.RESERVATION_LABEL: "rsv_x",
     }
     assert manifest["spec"]["release"] is True
     assert manifest["spec"]["class"] == "gpu"
@@ -207,7 +208,7 @@ def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node()
     ],
 )
 def test_node_reports(status, expected):
-    assert definitions.report(status) == expected
+    assert allocations.report(status) == expected
 
 
 VIEW = {
@@ -295,8 +296,8 @@ def _obj(spec=SPEC, stamps=None):
 
 def test_the_stamp_is_the_requesting_user():
     assert webhooks.stamps(ALICE) == {
-        resources.REQUESTED_BY: "alice",
-        resources.REQUESTED_BY_GROUPS: json.dumps(["ml", "system:authenticated"]),
+        names.REQUESTED_BY: "alice",
+        names.REQUESTED_BY_GROUPS: json.dumps(["ml", "system:authenticated"]),
     }
 
 
@@ -304,7 +305,7 @@ def test_the_stamp_is_the_requesting_user():
     ("operation", "new", "old", "problem"),
     [
         ("CREATE", _obj(stamps=webhooks.stamps(ALICE)), None, None),
-        ("CREATE", _obj(stamps={resources.REQUESTED_BY: "mallory"}), None, "requested-by"),
+        ("CREATE", _obj(stamps={names.REQUESTED_BY: "mallory"}), None, "requested-by"),
         ("CREATE", _obj(), None, "requested-by"),
         (
             "CREATE",
@@ -322,7 +323,7 @@ def test_the_stamp_is_the_requesting_user():
         ),
         (
             "UPDATE",
-            _obj(stamps={**webhooks.stamps(ALICE), resources.REQUESTED_BY: "bob"}),
+            _obj(stamps={**webhooks.stamps(ALICE), names.REQUESTED_BY: "bob"}),
             _obj(stamps=webhooks.stamps(ALICE)),
             "is immutable",
         ),

@@ -40,7 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.cluster import ClusterClient, ClusterError
 from bettercompute.deviceplugin.inventory import Inventory
-from bettercompute.deviceplugin.watching import GROUP_VERSION, Backoff
+from bettercompute.deviceplugin.watching import Backoff
+from bettercompute.kube.names import API_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class NodePublisher:
         self.heartbeat_s = heartbeat_s
         self.clock = clock
         self.backoff = backoff or Backoff(initial_s=0.5, max_s=heartbeat_s)
-        self.path = f"/apis/{GROUP_VERSION}/gpunodes/{quote(node_name, safe='')}"
+        self.path = f"/apis/{API_VERSION}/gpunodes/{quote(node_name, safe='')}"
         self._ready_since: str | None = None
         self._published: Inventory | None = None
         self._last_problem = ""
@@ -183,7 +184,7 @@ class NodePublisher:
         if found is None:
             labels = self.labels if self.labels is not None else await self._node_labels()
             body = {
-                "apiVersion": GROUP_VERSION,
+                "apiVersion": API_VERSION,
                 "kind": "GPUNode",
                 "metadata": {"name": self.node_name, "labels": labels},
                 "spec": {},

@@ -34,20 +34,15 @@ from typing import Any
 from urllib.parse import quote
 
 from bettercompute.deviceplugin.cluster import ClusterClient, ClusterError
+from bettercompute.kube import names
+from bettercompute.kube.allocations import allocation_name
 
 log = logging.getLogger(__name__)
 
-GROUP_VERSION = "bcd.dev/v1alpha1"
-NODE_LABEL = "bcd.dev/node"
 #: How long the server keeps one watch open before we open the next.
 WATCH_TIMEOUT_SECONDS = 290
 #: A watch that ends sooner than this without an event counts as a failure (backoff applies).
 MIN_WATCH_SECONDS = 1.0
-
-
-def allocation_name(allocation_id: str) -> str:
-    """The operator's name for an allocation's object: ``alloc_01K…`` → ``alloc-01k…``."""
-    return allocation_id.replace("_", "-").lower()
 
 
 class Backoff:
@@ -84,9 +79,9 @@ class AllocationObjects:
         self.node_name = node_name
         self.backoff = backoff or Backoff()
         self.watch_timeout_s = watch_timeout_s
-        scope = f"/apis/{GROUP_VERSION}/namespaces/{quote(namespace, safe='')}"
+        scope = f"/apis/{names.API_VERSION}/namespaces/{quote(namespace, safe='')}"
         self.path = f"{scope}/deviceallocations"
-        self.label_selector = f"{NODE_LABEL}={node_name}"
+        self.label_selector = f"{names.NODE_LABEL}={node_name}"
         # Object name -> object, as of ``_version``; None until the first list.
         self._objects: dict[str, dict[str, Any]] | None = None
         self._version: str | None = None

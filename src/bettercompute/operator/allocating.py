@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core.errors import ComputeError, StoreError
-from bettercompute.operator import definitions, resources
+from bettercompute.kube import allocations, names
+from bettercompute.operator import resources
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
@@ -70,17 +71,17 @@ class AllocationSync:
             for obj in await self.kube.list(
                 resources.DEVICE_ALLOCATIONS,
                 namespace=self.namespace,
-                label_selector=f"{resources.NODE_LABEL}={node}",
+                label_selector=f"{names.NODE_LABEL}={node}",
             )
         }
         for allocation_id, item in desired.items():
             obj = existing.get(allocation_id)
             if obj is None:
                 await self._create(
-                    definitions.allocation_manifest(item, node=node, namespace=self.namespace)
+                    allocations.allocation_manifest(item, node=node, namespace=self.namespace)
                 )
                 continue
-            spec = definitions.allocation_spec(item, node=node)
+            spec = allocations.allocation_spec(item, node=node)
             if {k: (obj.get("spec") or {}).get(k) for k in spec} != spec:
                 await self.kube.patch(
                     resources.DEVICE_ALLOCATIONS,
@@ -109,7 +110,7 @@ class AllocationSync:
         accepted (so its status can be re-projected), else ``None``."""
         spec = body.get("spec") or {}
         status = body.get("status") or {}
-        parsed = definitions.report(status)
+        parsed = allocations.report(status)
         allocation_id = spec.get("allocationId")
         reporter = status.get("nodeName")
         if parsed is None or not allocation_id or not reporter:

@@ -18,7 +18,7 @@ from typing import Any
 
 from bettercompute.core import errors, pools, ports
 from bettercompute.core.inventories import AtomSpec, NodeSpec
-from bettercompute.operator import resources
+from bettercompute.kube import names
 from bettercompute.service.clusters import PoolDefinition, Quota
 
 SLOT_SHARING = ("timeslice", "mps")
@@ -30,7 +30,7 @@ SLOT_SHARING = ("timeslice", "mps")
 def create_request(spec: Mapping[str, Any], *, tenant_id: str, uid: str) -> dict[str, Any]:
     """The core's create request: ``spec`` without the fields that change later, in the
     namespace's tenant, keyed by ``spec.idempotencyKey`` or else the object's uid."""
-    request = {k: v for k, v in spec.items() if k not in resources.NOT_THE_REQUEST}
+    request = {k: v for k, v in spec.items() if k not in names.NOT_THE_REQUEST}
     request["tenantId"] = tenant_id
     request["idempotencyKey"] = spec.get("idempotencyKey") or uid
     return request
@@ -38,17 +38,17 @@ def create_request(spec: Mapping[str, Any], *, tenant_id: str, uid: str) -> dict
 
 def caller(annotations: Mapping[str, str], *, tenant_id: str) -> ports.Caller:
     """The stamped requester, as a caller of ``tenant_id``; INVALID_INPUT when unstamped."""
-    identity = annotations.get(resources.REQUESTED_BY)
+    identity = annotations.get(names.REQUESTED_BY)
     if not identity:
         raise errors.invalid_input(
-            f"metadata.annotations[{resources.REQUESTED_BY}]",
+            f"metadata.annotations[{names.REQUESTED_BY}]",
             "missing: the object was not stamped by the admission webhook (is it installed?)",
         )
     return ports.Caller(
         identity_id=identity,
         tenant_id=tenant_id,
         kind="user",
-        groups=tuple(groups(annotations.get(resources.REQUESTED_BY_GROUPS))),
+        groups=tuple(groups(annotations.get(names.REQUESTED_BY_GROUPS))),
     )
 
 
@@ -64,11 +64,11 @@ def groups(text: str | None) -> list[str]:
 
 
 def tenant_of(namespace: str, labels: Mapping[str, str] | None) -> str:
-    tenant = (labels or {}).get(resources.TENANT_LABEL)
+    tenant = (labels or {}).get(names.TENANT_LABEL)
     if not tenant:
         raise errors.invalid_input(
             "metadata.namespace",
-            f"namespace {namespace!r} has no {resources.TENANT_LABEL} label naming its tenant",
+            f"namespace {namespace!r} has no {names.TENANT_LABEL} label naming its tenant",
         )
     return tenant
 
@@ -252,73 +252,3 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
                 )
             )
     return atoms
-
-
-# --- DeviceAllocations -------------------------------------------------------------------------
-
-
-def allocation_name(allocation_id: str) -> str:
-    """A DNS-1123 name for an allocation id: ``alloc_01K…`` → ``alloc-01k…``."""
-    return allocation_id.replace("_", "-").lower()
-
-
-def allocation_manifest(item: Mapping[str, Any], *, node: str, namespace: str) -> dict[str, Any]:
-    """The ``DeviceAllocation`` for one of a node's desired allocations."""
-    return {
-        "apiVersion": resources.API_VERSION,
-        "kind": "DeviceAllocation",
-        "metadata": {
-            "name": allocation_name(item["allocationId"]),
-            "namespace": namespace,
-            "labels": {
-                resources.NODE_LABEL: node,
-                resources.RESERVATION_LABEL: item["reservationId"],
-            },
-        },
-        "spec": allocation_spec(item, node=node),
-    }
-
-
-def allocation_spec(item: Mapping[str, Any], *, node: str) -> dict[str, Any]:
-    return {
-        "allocationId": item["allocationId"],
-        "nodeName": node,
-        "reservationId": item["reservationId"],
-        "tenantId": item["tenantId"],
-        "class": item["deviceClass"],
-        "binding": item["binding"] or "hold",
-        "deviceIds": list(item["deviceIds"]),
-        "parentGpus": list(item["parentGpus"]),
-        "until": int(item["until"]),
-        "release": item["state"] == "releasing",
-    }
-
-
-#: A DeviceAllocation's ``status.phase`` → the core's report kind.
-REPORT_KINDS = {
-    "Bound": "bound",
-    "Failed": "failed",
-    "Releasing": "releasing",
-    "Released": "released",
-}
-
-
-def report(status: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """(kind, details) of a node's report in a DeviceAllocation's status; ``None`` if none."""
-    kind = REPORT_KINDS.get(str(status.get("phase") or ""))
-    if kind is None:
-        return None
-    details: dict[str, Any] = {}
-    if kind == "bound":
-        details["cdiDevices"] = list(status.get("cdiDevices") or ())
-        if status.get("envFile"):
-            details["envFile"] = status["envFile"]
-    if kind == "failed":
-        details["reason"] = str(status.get("reason") or "the node did not say why")
-    if kind == "releasing":
-        details["pods"] = list(status.get("pods") or ())
-        if status.get("since") is not None:
-            details["since"] = status["since"]
-    if status.get("signature"):
-        details["signature"] = dict(status["signature"])
-    return kind, details

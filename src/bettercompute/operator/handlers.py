@@ -23,15 +23,16 @@ from typing import Any
 import kopf
 
 from bettercompute.core.errors import ComputeError
+from bettercompute.kube import names
 from bettercompute.operator import definitions, resources, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-RESERVATIONS = (resources.GROUP, resources.VERSION, "reservations")
-GPUPOOLS = (resources.GROUP, resources.VERSION, "gpupools")
-GPUNODES = (resources.GROUP, resources.VERSION, "gpunodes")
-DEVICE_ALLOCATIONS = (resources.GROUP, resources.VERSION, "deviceallocations")
+RESERVATIONS = (names.GROUP, names.VERSION, "reservations")
+GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
+GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
+DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
 
 
 def _runtime(memo: Any) -> Runtime:

@@ -23,7 +23,8 @@ from typing import Any
 
 from bettercompute.core import ports, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.operator import definitions, resources, statuses
+from bettercompute.kube import names
+from bettercompute.operator import definitions, statuses
 from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Projector
 from bettercompute.service.owners import ReservationOwners
@@ -115,7 +116,7 @@ class ReservationDoor:
             retry = await self._extend(body, caller, target, spec)
             if retry is not None:
                 return retry
-        renew = (meta.get("annotations") or {}).get(resources.RENEW)
+        renew = (meta.get("annotations") or {}).get(names.RENEW)
         if renew and renew != status.get("renewed"):
             return await self._call(body, "renew", caller, target, extra={"renewed": renew})
         return None

@@ -35,7 +35,8 @@ from bettercompute.api.app import make_app
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
-from bettercompute.operator import certificates, handlers, resources
+from bettercompute.kube import names
+from bettercompute.operator import certificates, handlers
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -109,12 +110,12 @@ def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Progress and the last-handled spec in annotations: status is the reservation's alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=resources.KOPF_PREFIX
+        prefix=names.KOPF_PREFIX
     )
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=resources.KOPF_PREFIX, key="last-handled-configuration"
+        prefix=names.KOPF_PREFIX, key="last-handled-configuration"
     )
-    settings.persistence.finalizer = resources.FINALIZER
+    settings.persistence.finalizer = names.FINALIZER
     # Our own Events say what happened; kopf's "Handler succeeded" would drown them.
     settings.posting.level = logging.WARNING
     settings.peering.name = config.peering_name

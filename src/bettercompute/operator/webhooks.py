@@ -21,7 +21,8 @@ from typing import Any
 
 from bettercompute.core import requests
 from bettercompute.core.errors import ComputeError
-from bettercompute.operator import definitions, resources
+from bettercompute.kube import names
+from bettercompute.operator import definitions
 
 #: Stands in for the namespace's tenant when validating a spec: the core's rules on the
 #: request do not depend on who the tenant is.
@@ -32,8 +33,8 @@ _ANY_KEY = "key"
 def stamps(userinfo: Mapping[str, Any]) -> dict[str, str]:
     """The annotations that record who asked, from the API server's ``userInfo``."""
     return {
-        resources.REQUESTED_BY: str(userinfo.get("username") or ""),
-        resources.REQUESTED_BY_GROUPS: json.dumps(sorted(userinfo.get("groups") or [])),
+        names.REQUESTED_BY: str(userinfo.get("username") or ""),
+        names.REQUESTED_BY_GROUPS: json.dumps(sorted(userinfo.get("groups") or [])),
     }
 
 
@@ -61,12 +62,12 @@ def refusal(
         return spec_problem(new.get("spec") or {})
     if operation == "UPDATE" and old is not None:
         old_annotations = (old.get("metadata") or {}).get("annotations") or {}
-        for key in resources.STAMPS:
+        for key in names.STAMPS:
             if annotations.get(key) != old_annotations.get(key):
                 return f"metadata.annotations[{key}]: is immutable"
         old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
         for field in sorted(set(old_spec) | set(new_spec)):
-            if field in resources.MUTABLE_SPEC:
+            if field in names.MUTABLE_SPEC:
                 continue
             if old_spec.get(field) != new_spec.get(field):
                 return f"spec.{field}: is immutable; make a new Reservation instead"

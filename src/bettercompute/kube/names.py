@@ -1,0 +1,31 @@
+"""The names the operator, the node agent and the chart agree on: API group and version, labels,
+annotations and the finalizer (``docs/kubernetes.md`` describes them to users).
+
+Data only: no I/O, no imports of ours.
+"""
+
+from __future__ import annotations
+
+GROUP = "bcd.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: A namespace's tenant.
+TENANT_LABEL = "bcd.dev/tenant"
+#: Stamped by the mutating webhook from the API server's userInfo.
+REQUESTED_BY = "bcd.dev/requested-by"
+REQUESTED_BY_GROUPS = "bcd.dev/requested-by-groups"
+STAMPS = (REQUESTED_BY, REQUESTED_BY_GROUPS)
+#: Each new value renews the reservation's lease once.
+RENEW = "bcd.dev/renew"
+#: A DeviceAllocation's node and reservation, so a node lists only its own.
+NODE_LABEL = "bcd.dev/node"
+RESERVATION_LABEL = "bcd.dev/reservation"
+#: Where kopf keeps its handler progress and last-handled spec (annotations, not status).
+KOPF_PREFIX = "kopf.bcd.dev"
+FINALIZER = "bcd.dev/release"
+
+#: ``spec`` fields a Reservation may change after creation; the rest is the request.
+MUTABLE_SPEC = frozenset({"until", "extendBy", "extendKey", "release"})
+#: ``spec`` fields that are not part of the core's create request.
+NOT_THE_REQUEST = MUTABLE_SPEC | {"idempotencyKey"}
