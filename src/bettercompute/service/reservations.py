@@ -36,6 +36,7 @@ from bettercompute.store import (
     views,
 )
 from bettercompute.store.database import Database
+from bettercompute.store.stats import Stats as Stats
 
 log = logging.getLogger(__name__)
 
@@ -537,7 +538,7 @@ class ReservationService:
             return None
         return view
 
-    async def counts(self) -> stats.Stats:
+    async def counts(self) -> Stats:
         """Reservations by state and the work queue's depth, read now (for ``/metrics``)."""
         return await stats.read(self.db)
 
