@@ -169,7 +169,9 @@ class PoolDefinition:
 
 
 class Sharing(Model):
-    mode: SharingMode = "exclusive"
+    """How a GPU is shared; a ``GPUPool`` without ``sharing`` is exclusive."""
+
+    mode: SharingMode
     replicas: Replicas = 1
 
 
@@ -184,6 +186,19 @@ class PoolOffer(Model):
     quotas: dict[QuotaResource, QuotaLimit] = {}
 
 
+class SelectorExpression(Model):
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = []
+
+
+class LabelSelector(Model):
+    """Kubernetes' LabelSelector: which GPUNodes a pool takes, by their labels."""
+
+    matchLabels: dict[str, str] | None = None
+    matchExpressions: list[SelectorExpression] | None = None
+
+
 class PoolSpec(Model):
     """A ``GPUPool``'s spec: the same pool, its offers and quotas written inside it."""
 
@@ -191,10 +206,10 @@ class PoolSpec(Model):
     owner: PoolOwner
     model: GpuModel | None = None
     site: str | None = Field(default=None, max_length=128)
-    sharing: Sharing = Sharing()
+    sharing: Sharing = Sharing(mode="exclusive")
     policy: PoolPolicy = PoolPolicy()
-    #: Which GPUNodes the pool takes; ``operator.definitions.selects`` reads it.
-    nodeSelector: dict[str, Any] | None = None
+    #: Validated here; ``operator.definitions.selects`` reads the object's own.
+    nodeSelector: LabelSelector | None = None
     offers: list[PoolOffer] = []
     archived: bool = False
 
