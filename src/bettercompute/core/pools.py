@@ -99,6 +99,10 @@ class PoolPolicy(Model):
         """The policy a pool row keeps, read back. A row written before a key was checked as it
         is now keeps the keys that still pass: one bad key costs only itself (a ``maxPending``
         that does not parse reads as the default, as it always did)."""
+        try:
+            return cls.model_validate(dict(value or {}))  # every row written since: one pass
+        except ValidationError:
+            pass
         kept: dict[str, Any] = {}
         for key, item in (value or {}).items():
             if key not in cls.model_fields:
