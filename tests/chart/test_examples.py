@@ -60,7 +60,7 @@ def test_every_example_pool_is_accepted_and_every_reservation_has_its_pool():
         tenant = definitions.tenant_of(
             obj["metadata"]["namespace"], namespaces[obj["metadata"]["namespace"]]
         )
-        assert pool.owner_tenant_id == tenant or tenant in pool.offers
+        assert pool.pool.owner == tenant or tenant in {o.tenant for o in pool.offers}
 
 
 def test_the_mig_reservation_is_for_the_mig_pool():

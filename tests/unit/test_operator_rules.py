@@ -95,13 +95,15 @@ def test_a_namespace_without_a_tenant_label_is_refused_naming_it():
 
 def test_pool_definition_gathers_offers_and_quotas():
     pool = _pool()
-    assert pool.owner_tenant_id == "acme"
-    assert pool.offers == {"globex": "stop-new"}
-    assert {(q.tenant_id, q.resource, q.limit) for q in pool.quotas} == {
+    assert pool.pool.owner == "acme"
+    assert {o.tenant: o.onBudgetExceeded for o in pool.offers} == {"globex": "stop-new"}
+    assert {(q.tenant, q.resource, q.limit) for q in pool.quotas} == {
         ("acme", "gpu:H100", 8),
         ("globex", "gpu:H100", 2),
     }
-    with pytest.raises(ComputeError, match=r"spec\.owner\.tenant"):
+    with pytest.raises(ComputeError, match=r"^spec\.owner\.tenant: required$"):
+        definitions.pool_definition("p", {"region": "r", "owner": {}})
+    with pytest.raises(ComputeError, match=r"^spec\.owner: required$"):
         definitions.pool_definition("p", {"region": "r"})
 
 

@@ -64,6 +64,7 @@ def pool(**kw: Any) -> pools.PoolInfo:
         offered=False,
     )
     base.update(kw)
+    base["policy"] = pools.PoolPolicy.model_validate(base["policy"])
     return pools.PoolInfo(**base)
 
 

@@ -151,7 +151,7 @@ def _handler(op: operations.Operation) -> Handler:
         _check_csrf_header(request)
         caller = await _authenticate(request)
         body = await _json_body(request)
-        serve: Callable[[ports.Caller, Any], Awaitable[dict[str, Any]]]
+        serve: Callable[[ports.Caller, Any], Awaitable[operations.Answer]]
         serve = getattr(request.app[SERVICE], op.method)
         data = await serve(caller, body)
         request[_OUTCOME_KEY] = operations.outcome(op, data)

@@ -44,7 +44,7 @@ from prometheus_client import (
 )
 
 from bettercompute.core import states
-from bettercompute.store.stats import Stats
+from bettercompute.service.reservations import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 UNMATCHED = "unmatched"

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bettercompute.core import requests
+from bettercompute.core import answers, requests
 
 PREFIX = "/api/compute"
 
@@ -104,8 +104,12 @@ OPERATIONS: tuple[Operation, ...] = (
 
 BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}
 
+#: What an operation answers: a reservation (create, get, release, cancel, renew), a page of
+#: them (list), an extension (extend), or a preview (``store.previewing``'s plain object).
+Answer = answers.Reservation | answers.ReservationList | answers.ExtendResult | dict[str, Any]
 
-def outcome(operation: Operation, data: Mapping[str, Any]) -> str:
+
+def outcome(operation: Operation, data: Answer) -> str:
     """The metrics outcome of a successful answer (bounded: states and fixed words only)."""
     if operation.method == "create":
         return str(data.get("state", "ok"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 from rich import box
@@ -26,6 +26,10 @@ from rich.text import Text
 
 from bettercompute.cli import client, parsing
 from bettercompute.cli.settings import Output
+
+if TYPE_CHECKING:
+    # Annotations only: the CLI starts without loading pydantic.
+    from bettercompute.core import answers
 
 # A table piped to a file or another program is not cut to 80 columns: ids stay whole.
 _PIPE_WIDTH = 1000
@@ -204,7 +208,7 @@ def _binding(view: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def reservation_table(view: Mapping[str, Any]) -> RenderableType:
+def reservation_table(view: answers.Reservation) -> RenderableType:
     """One reservation as a key/value table."""
     table = _kv_table()
     rows: list[tuple[str, str | None]] = [
@@ -233,7 +237,7 @@ def _optional_time(ms: Any) -> str | None:
     return parsing.format_time(ms) if isinstance(ms, int) else None
 
 
-def reservation_list(data: Mapping[str, Any]) -> RenderableType:
+def reservation_list(data: answers.ReservationList) -> RenderableType:
     """``reservations.list``: columns ID, STATE, POOL, DEVICES, START, END, then the cursor."""
     items = data.get("items") or []
     if not items:
@@ -243,7 +247,7 @@ def reservation_list(data: Mapping[str, Any]) -> RenderableType:
         # Ids and times are copied and compared: they never wrap; the rest may.
         table.add_column(column, no_wrap=column in ("ID", "STATE", "START", "END"), min_width=6)
     for item in items:
-        during = item.get("during") or {}
+        during: Mapping[str, Any] = item.get("during") or {}
         table.add_row(
             Text(str(item.get("id"))),
             Text(str(item.get("state"))),
@@ -258,7 +262,7 @@ def reservation_list(data: Mapping[str, Any]) -> RenderableType:
     return table
 
 
-def extend_result(data: Mapping[str, Any]) -> RenderableType:
+def extend_result(data: answers.ExtendResult) -> RenderableType:
     """``reservations.extend``: whether it moved, then the reservation."""
     if data.get("extended"):
         headline = "Extended."

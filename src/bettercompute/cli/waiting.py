@@ -13,11 +13,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console
 
 from bettercompute.cli import client
+
+if TYPE_CHECKING:
+    # Annotations only: the CLI starts without loading pydantic.
+    from bettercompute.core import answers
 
 #: Polls start quick (a batch may be moments away) and back off so a long wait stays cheap.
 FIRST_POLL_S = 0.25
@@ -36,11 +40,11 @@ def follow(
     api: client.ApiClient,
     *,
     tenant: str,
-    view: dict[str, Any],
+    view: answers.Reservation,
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> dict[str, Any]:
+) -> answers.Reservation:
     """Read the reservation again until its operation stops running or ``deadline`` passes.
 
     Answers the last read either way. A spinner shows on stderr when it is a terminal.
@@ -73,11 +77,11 @@ def follow(
                     continue
                 raise
             if isinstance(answer, dict):
-                view = answer
+                view = cast("answers.Reservation", answer)  # the server's reservations.get
     return view
 
 
-def waited_line(view: dict[str, Any], *, tenant: str, created: bool = False) -> str:
+def waited_line(view: answers.Reservation, *, tenant: str, created: bool = False) -> str:
     """How to follow a reservation: when ``--wait`` ran out with it still queued, or
     (``created``) when reading it again failed after the create succeeded."""
     rid = view.get("id")

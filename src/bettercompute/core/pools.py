@@ -1,16 +1,33 @@
-"""What a pool allows: visibility to a tenant, device classes by sharing mode, bindings.
+"""What a pool is and what it allows: its models, its offers and quotas, and the admission rules.
 
-These are the rules of the guide's "Transaction 1" that need only the pool's row, kept pure so
-they are tested as a table. The store reads the pool under the transaction and calls them.
+The pool, offer and quota models are the one validation of a pool, whoever describes it: the dev
+configuration file (``dev.config``) and the operator's ``GPUPool`` (``PoolSpec``) both parse with
+them, so a mistake gets the same words everywhere, and ``PoolPolicy`` is what the store's JSON
+reads back as (``PoolInfo.policy``), never a dict read by string keys.
+
+The rules of the guide's "Transaction 1" that need only the pool's row are kept pure so they are
+tested as a table. The store reads the pool under the transaction and calls them.
+
+What it must never do: I/O. pydantic is the only library here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from bettercompute.core import errors, placement
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from bettercompute.core import durations, errors, placement
 
 #: Which device class each sharing mode books.
 CLASS_FOR_MODE = {"exclusive": "gpu", "mig": "mig", "timeslice": "slot", "mps": "slot"}
@@ -20,6 +37,211 @@ DEFAULT_MAX_PENDING_MS = 24 * 3_600_000
 
 CAP_BINDING_KUBERNETES = "bc.dev/cap.binding.kubernetes"
 CAP_DEVICES_LIMITS = "bc.dev/cap.devices.limits"
+
+_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=_ID)]
+Region = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")]
+GpuModel = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][\w.-]*$")]
+QuotaResource = Annotated[
+    str,
+    Field(pattern=r"^((gpu|gpuSlices):[A-Za-z0-9][\w.-]*|vcpu|memoryGiB|hugepages1Gi)$"),
+]
+QuotaLimit = Annotated[int, Field(ge=0, le=2**62)]
+SharingMode = Literal["exclusive", "mig", "timeslice", "mps"]
+OnBudgetExceeded = Literal["allow", "stop-new", "drain"]
+SLOT_SHARING = ("timeslice", "mps")
+
+
+class Model(BaseModel):
+    """The base of every model a person writes: strict, so a YAML "yes" or "16" is not silently
+    a bool or an int, and closed, so a misspelt key is refused naming it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class PerGpu(Model):
+    vcpu: int | None = Field(default=None, ge=0, le=4096)
+    memoryGiB: int | None = Field(default=None, ge=0, le=65_536)
+    hugepages1Gi: int | None = Field(default=None, ge=0, le=65_536)
+
+
+class Admission(Model):
+    budgetCheck: Literal["meter", "off"] | None = None
+
+
+class HostReserve(Model):
+    vcpu: int | None = Field(default=None, ge=0, le=4096)
+
+
+class PoolPolicy(Model):
+    """The pool policy keys the guide names; anything else is a typo, so it is refused."""
+
+    kubernetes: bool | None = None
+    tenantRoot: bool | None = None
+    maxPending: str | int | None = None
+    perGpu: PerGpu | None = None
+    admission: Admission | None = None
+    hostReserve: HostReserve | None = None
+
+    @field_validator("maxPending")
+    @classmethod
+    def _duration(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            durations.parse_duration_ms(value)  # DurationError is a ValueError: reported
+        return value
+
+    def as_json(self) -> dict[str, Any]:
+        """What the store keeps: the keys given, as given."""
+        return self.model_dump(exclude_none=True)
+
+    @classmethod
+    def stored(cls, value: Mapping[str, Any] | None) -> PoolPolicy:
+        """The policy a pool row keeps, read back. A row written before a key was checked as it
+        is now keeps the keys that still pass: one bad key costs only itself (a ``maxPending``
+        that does not parse reads as the default, as it always did)."""
+        try:
+            return cls.model_validate(dict(value or {}))  # every row written since: one pass
+        except ValidationError:
+            pass
+        kept: dict[str, Any] = {}
+        for key, item in (value or {}).items():
+            if key not in cls.model_fields:
+                continue
+            try:
+                cls.model_validate({key: item})
+            except ValidationError:
+                continue
+            kept[key] = item
+        return cls.model_validate(kept)
+
+
+def _slots_only(replicas: int, info: ValidationInfo) -> int:
+    # The sharing mode is validated first (it comes first): ``sharing`` in a Pool, ``mode`` in
+    # a GPUPool's ``sharing``.
+    sharing = info.data.get("sharing", info.data.get("mode"))
+    if replicas > 1 and sharing not in SLOT_SHARING:
+        raise ValueError("replicas are for 'timeslice' and 'mps' pools only")
+    return replicas
+
+
+#: Slots per GPU, for the sharing modes that slice a GPU in time.
+Replicas = Annotated[int, Field(ge=1, le=64), AfterValidator(_slots_only)]
+
+
+class Pool(Model):
+    """A pool as the dev configuration writes it (``docs/dev-config.md``)."""
+
+    id: Id
+    name: str = ""
+    owner: Id
+    region: Region
+    model: GpuModel | None = None
+    sharing: SharingMode = "exclusive"
+    replicas: Replicas = 1
+    policy: PoolPolicy = PoolPolicy()
+    archived: bool = False
+
+
+class Offer(Model):
+    """The pool is offered to the tenant, who may reserve in it besides its owner."""
+
+    pool: Id
+    tenant: Id
+    onBudgetExceeded: OnBudgetExceeded | None = None
+
+
+class Quota(Model):
+    tenant: Id
+    resource: QuotaResource
+    limit: QuotaLimit
+
+
+@dataclass(frozen=True)
+class PoolDefinition:
+    """A pool with exactly the offers it has and the quotas it sets, as a ``GPUPool`` says."""
+
+    pool: Pool
+    offers: tuple[Offer, ...] = ()
+    quotas: tuple[Quota, ...] = ()
+
+    @property
+    def pool_id(self) -> str:
+        return self.pool.id
+
+
+# --- the GPUPool object's spec (docs/kubernetes.md) --------------------------------------------
+
+
+class Sharing(Model):
+    """How a GPU is shared; a ``GPUPool`` without ``sharing`` is exclusive."""
+
+    mode: SharingMode
+    replicas: Replicas = 1
+
+
+class PoolOwner(Model):
+    tenant: Id
+    quotas: dict[QuotaResource, QuotaLimit] = {}
+
+
+class PoolOffer(Model):
+    tenant: Id
+    onBudgetExceeded: OnBudgetExceeded | None = None
+    quotas: dict[QuotaResource, QuotaLimit] = {}
+
+
+class SelectorExpression(Model):
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = []
+
+
+class LabelSelector(Model):
+    """Kubernetes' LabelSelector: which GPUNodes a pool takes, by their labels."""
+
+    matchLabels: dict[str, str] | None = None
+    matchExpressions: list[SelectorExpression] | None = None
+
+
+class PoolSpec(Model):
+    """A ``GPUPool``'s spec: the same pool, its offers and quotas written inside it."""
+
+    region: Region
+    owner: PoolOwner
+    model: GpuModel | None = None
+    site: str | None = Field(default=None, max_length=128)
+    sharing: Sharing = Sharing(mode="exclusive")
+    policy: PoolPolicy = PoolPolicy()
+    #: Validated here; ``operator.definitions.selects`` reads the object's own.
+    nodeSelector: LabelSelector | None = None
+    offers: list[PoolOffer] = []
+    archived: bool = False
+
+    def definition(self, name: str) -> PoolDefinition:
+        pool = Pool(
+            id=name,
+            name=name,
+            owner=self.owner.tenant,
+            region=self.region,
+            model=self.model,
+            sharing=self.sharing.mode,
+            replicas=self.sharing.replicas,
+            policy=self.policy,
+            archived=self.archived,
+        )
+        quotas = [
+            Quota(tenant=self.owner.tenant, resource=r, limit=n)
+            for r, n in self.owner.quotas.items()
+        ]
+        for offer in self.offers:
+            quotas.extend(
+                Quota(tenant=offer.tenant, resource=r, limit=n) for r, n in offer.quotas.items()
+            )
+        offers = tuple(
+            Offer(pool=name, tenant=o.tenant, onBudgetExceeded=o.onBudgetExceeded)
+            for o in self.offers
+        )
+        return PoolDefinition(pool=pool, offers=offers, quotas=tuple(quotas))
 
 
 @dataclass(frozen=True)
@@ -31,7 +253,7 @@ class PoolInfo:
     sharing_mode: str
     replicas: int
     archived: bool
-    policy: Mapping[str, Any] = field(default_factory=dict)
+    policy: PoolPolicy = field(default_factory=PoolPolicy)
     #: Whether the pool is offered to the tenant asking (owners need no offer).
     offered: bool = False
     on_budget_exceeded: str | None = None
@@ -41,22 +263,14 @@ class PoolInfo:
 
     @property
     def max_pending_ms(self) -> int:
-        value = self.policy.get("maxPending")
-        if isinstance(value, int) and value > 0:
-            return value
-        if isinstance(value, str):
-            from bettercompute.core import durations
-
-            try:
-                return durations.parse_duration_ms(value)
-            except durations.DurationError:
-                return DEFAULT_MAX_PENDING_MS
-        return DEFAULT_MAX_PENDING_MS
+        value = self.policy.maxPending
+        return DEFAULT_MAX_PENDING_MS if value is None else durations.parse_duration_ms(value)
 
     @property
     def wants_budget_check(self) -> bool:
-        admission = self.policy.get("admission") or {}
-        return admission.get("budgetCheck") == "meter" or self.on_budget_exceeded in (
+        admission = self.policy.admission
+        metered = admission is not None and admission.budgetCheck == "meter"
+        return metered or self.on_budget_exceeded in (
             "stop-new",
             "drain",
         )
@@ -80,10 +294,10 @@ def check_request(*, request: Mapping[str, Any], pool: PoolInfo, tenant_id: str)
                 f"'{wanted}', not '{device['class']}'",
             )
     binding = request["binding"]
-    if binding == "node" and not pool.policy.get("tenantRoot"):
+    if binding == "node" and not pool.policy.tenantRoot:
         raise errors.invalid_input("binding", "binding 'node' needs a pool with tenantRoot")
     if binding == "kubernetes":
-        if not pool.policy.get("kubernetes"):
+        if not pool.policy.kubernetes:
             raise errors.invalid_input(
                 "binding",
                 f"binding 'kubernetes' needs a pool with policy.kubernetes; {pool.id} has none",

@@ -1,8 +1,9 @@
-"""Writing a loaded dev configuration and its simulated nodes into the database.
+"""Writing a loaded dev configuration and its simulated nodes: the dev stack's world.
 
 Why a module of its own: ``running`` wires processes together; this is the one place that turns
-the YAML's world into store writes. Every write is an upsert, so applying the same file at every
-start changes nothing, and a restart on the same state dir keeps every reservation.
+the YAML's world into writes, made through ``service.clusters`` as the operator makes a
+cluster's. Every write is an upsert, so applying the same file at every start changes nothing,
+and a restart on the same state dir keeps every reservation.
 
 What it must never do: delete. A tenant, pool, offer or quota removed from the file stays in the
 database (``--fresh`` starts over); only simulated nodes the stack no longer runs are marked
@@ -15,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bettercompute.core import ports
+from bettercompute.core.inventories import AtomSpec, NodeSpec
 from bettercompute.dev.config import ConfigError, LoadedConfig
+from bettercompute.service.clusters import ClusterService
 from bettercompute.sim.inventories import SimNode
-from bettercompute.store import desired, inventory, queries
-from bettercompute.store.database import Database
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,13 @@ class Applied:
     retired_nodes: tuple[str, ...]
 
 
-async def apply(db: Database, loaded: LoadedConfig, *, nodes: Sequence[SimNode]) -> Applied:
+async def apply(
+    clusters: ClusterService, loaded: LoadedConfig, *, nodes: Sequence[SimNode]
+) -> Applied:
     """Tenants, pools, offers, quotas, budgets, then the nodes; idempotent."""
     config = loaded.config
     root = next((t.id for t in config.tenants if t.root), None)
-    existing_root = await queries.root_tenant(db)
+    existing_root = await clusters.root_tenant()
     if root is not None and existing_root is not None and existing_root != root:
         raise ConfigError(
             file=loaded.source,
@@ -41,55 +44,34 @@ async def apply(db: Database, loaded: LoadedConfig, *, nodes: Sequence[SimNode])
             "database; keep it, or start over with --fresh",
         )
     for tenant in config.tenants:
-        await inventory.upsert_tenant(db, tenant_id=tenant.id, name=tenant.name, root=tenant.root)
+        await clusters.put_tenant(tenant.id, name=tenant.name, root=tenant.root)
     for pool in config.pools:
-        await inventory.upsert_pool(
-            db,
-            pool_id=pool.id,
-            owner_tenant_id=pool.owner,
-            region=pool.region,
-            gpu_model=pool.model,
-            sharing_mode=pool.sharing,
-            replicas=pool.replicas,
-            policy=pool.policy.as_json(),
-            archived=pool.archived,
-            name=pool.name,
-        )
+        await clusters.put_pool(pool)
     for offer in config.offers:
-        await inventory.set_offer(
-            db,
-            pool_id=offer.pool,
-            tenant_id=offer.tenant,
-            on_budget_exceeded=offer.onBudgetExceeded,
-        )
+        await clusters.put_offer(offer)
     for quota in config.quotas:
-        await inventory.set_quota(
-            db, tenant_id=quota.tenant, resource=quota.resource, limit=quota.limit
-        )
+        await clusters.put_quota(quota)
     for budget in config.budgets:
-        await inventory.set_budget(
-            db,
-            tenant_id=budget.tenant,
-            gpu_hours=budget.gpuHours,
-            window_seconds=budget.windowSeconds,
+        await clusters.put_budget(
+            budget.tenant, gpu_hours=budget.gpuHours, window_seconds=budget.windowSeconds
         )
     for node in nodes:
-        await inventory.upsert_node(db, node_spec(node))
+        await clusters.apply_node(node_spec(node))
     running = {n.id for n in nodes}
-    retired = tuple(n for n in await desired.node_ids(db) if n not in running)
+    retired = tuple(n for n in await clusters.node_ids() if n not in running)
     for node_id in retired:
-        await inventory.set_node_status(db, node_id=node_id, ready=False, connected=False)
+        await clusters.node_gone(node_id)
     return Applied(nodes=len(nodes), retired_nodes=retired)
 
 
-def node_spec(node: SimNode) -> inventory.NodeSpec:
+def node_spec(node: SimNode) -> NodeSpec:
     """A simulated node as the store's inventory takes it; its labels are the daemon's own."""
-    return inventory.NodeSpec(
+    return NodeSpec(
         id=node.id,
         name=node.name,
         pool_id=node.pool_id,
         atoms=[
-            inventory.AtomSpec(
+            AtomSpec(
                 device_id=a.device_id,
                 kind=a.kind,
                 parent_gpu=a.parent_gpu,

@@ -6,6 +6,10 @@ dangling references (an identity of a tenant that does not exist, an offer of an
 are a ``ConfigError`` whose message names the file, the line, the path in the file
 (``pools[1].sharing``) and the reason. ``docs/dev-config.md`` documents the format.
 
+The pools, offers and quotas are ``core.pools``'s models, the ones the operator parses a
+``GPUPool`` with; what is here is the file's own shape: tenants, identities, budgets, policy
+files, simulated node sets, and the references between them.
+
 What it must never do: write to the database or start anything. ``applying`` writes a loaded
 configuration; ``running`` starts the stack.
 """
@@ -13,8 +17,6 @@ configuration; ``running`` starts the stack.
 from __future__ import annotations
 
 import difflib
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -22,18 +24,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    field_validator,
-)
+from pydantic import Discriminator, Field, Tag, ValidationError
 
-from bettercompute.core import durations
+from bettercompute.core import validation
 from bettercompute.core.errors import ComputeError
+from bettercompute.core.pools import GpuModel, Id, Model, Offer, Pool, Quota
+from bettercompute.core.requests import MigProfile
+from bettercompute.core.validation import Loc
 from bettercompute.iam import policies as cedar
 from bettercompute.sim import inventories
 
@@ -43,19 +40,10 @@ DEMO = "demo.yaml"
 #: Node sets of a MIG pool that name no profile get seven 1g.10gb instances per GPU.
 DEFAULT_MIG = {"1g.10gb": 7}
 
-_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
-Id = Annotated[str, Field(min_length=1, max_length=128, pattern=_ID)]
 IdentityId = Annotated[
     str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
 ]
 Token = Annotated[str, Field(min_length=8, max_length=512, pattern=r"^[\x21-\x7e]+$")]
-Region = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")]
-GpuModel = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][\w.-]*$")]
-MigProfile = Annotated[str, Field(pattern=r"^[1-7]g\.[1-9][0-9]{0,3}gb(\+me)?$")]
-QuotaResource = Annotated[
-    str,
-    Field(pattern=r"^((gpu|gpuSlices):[A-Za-z0-9][\w.-]*|vcpu|memoryGiB|hugepages1Gi)$"),
-]
 NodePrefix = Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[a-z0-9][a-z0-9-]*$")]
 
 
@@ -71,91 +59,27 @@ class ConfigError(Exception):
         super().__init__(f"{where}: {path}: {reason}" if path else f"{where}: {reason}")
 
 
-class _Model(BaseModel):
-    # strict: a YAML "yes" or "16" is not silently a bool or an int.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Tenant(_Model):
+class Tenant(Model):
     id: Id
     name: str = ""
     root: bool = False
 
 
-class Identity(_Model):
+class Identity(Model):
     id: IdentityId
     tenant: Id
     token: Token
     kind: Literal["user", "agent", "service"] = "user"
-    groups: list[Id] = []
+    groups: list[Id] = Field(default_factory=list)
 
 
-class PerGpu(_Model):
-    vcpu: int | None = Field(default=None, ge=0, le=4096)
-    memoryGiB: int | None = Field(default=None, ge=0, le=65_536)
-    hugepages1Gi: int | None = Field(default=None, ge=0, le=65_536)
-
-
-class Admission(_Model):
-    budgetCheck: Literal["meter", "off"] | None = None
-
-
-class HostReserve(_Model):
-    vcpu: int | None = Field(default=None, ge=0, le=4096)
-
-
-class PoolPolicy(_Model):
-    """The pool policy keys the guide names; anything else is a typo, so it is refused."""
-
-    kubernetes: bool | None = None
-    tenantRoot: bool | None = None
-    maxPending: str | int | None = None
-    perGpu: PerGpu | None = None
-    admission: Admission | None = None
-    hostReserve: HostReserve | None = None
-
-    @field_validator("maxPending")
-    @classmethod
-    def _duration(cls, value: str | int | None) -> str | int | None:
-        if value is not None:
-            durations.parse_duration_ms(value)  # DurationError is a ValueError: reported
-        return value
-
-    def as_json(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-
-class Pool(_Model):
-    id: Id
-    name: str = ""
-    owner: Id
-    region: Region
-    model: GpuModel | None = None
-    sharing: Literal["exclusive", "mig", "timeslice", "mps"] = "exclusive"
-    replicas: int = Field(default=1, ge=1, le=64)
-    policy: PoolPolicy = PoolPolicy()
-    archived: bool = False
-
-
-class Offer(_Model):
-    pool: Id
-    tenant: Id
-    onBudgetExceeded: Literal["allow", "stop-new", "drain"] | None = None
-
-
-class Quota(_Model):
-    tenant: Id
-    resource: QuotaResource
-    limit: int = Field(ge=0, le=2**62)
-
-
-class Budget(_Model):
+class Budget(Model):
     tenant: Id
     gpuHours: float = Field(ge=0)
     windowSeconds: int = Field(gt=0, le=2**31 - 1)
 
 
-class PolicyFile(_Model):
+class PolicyFile(Model):
     file: str = Field(min_length=1)
 
 
@@ -174,7 +98,7 @@ PolicyItem = Annotated[
 ]
 
 
-class NodeSet(_Model):
+class NodeSet(Model):
     """``count`` simulated nodes of one pool, all alike."""
 
     pool: Id
@@ -189,16 +113,16 @@ class NodeSet(_Model):
     namePrefix: NodePrefix | None = None
 
 
-class DevConfig(_Model):
-    tenants: list[Tenant] = []
-    identities: list[Identity] = []
-    pools: list[Pool] = []
-    offers: list[Offer] = []
-    quotas: list[Quota] = []
-    budgets: list[Budget] = []
+class DevConfig(Model):
+    tenants: list[Tenant] = Field(default_factory=list)
+    identities: list[Identity] = Field(default_factory=list)
+    pools: list[Pool] = Field(default_factory=list)
+    offers: list[Offer] = Field(default_factory=list)
+    quotas: list[Quota] = Field(default_factory=list)
+    budgets: list[Budget] = Field(default_factory=list)
     #: Put ``iam.policies.DEFAULT_POLICIES`` before ``policies``.
     defaultPolicies: bool = True
-    policies: list[PolicyItem] = []
+    policies: list[PolicyItem] = Field(default_factory=list)
     nodes: list[NodeSet] | None = None
 
 
@@ -253,17 +177,16 @@ def loads(text: str, *, source: Path) -> LoadedConfig:
     try:
         config = DevConfig.model_validate(data)
     except ValidationError as e:
-        found = e.errors(include_url=False)
-        # A misspelt key is also a missing one: name the misspelling, it says more.
-        first = next((x for x in found if x["type"] == "extra_forbidden"), found[0])
-        loc = tuple(p for p in first["loc"] if p not in (_TEXT, _FILE))
+        loc, reason = validation.first_problem(e, DevConfig, tags=(_TEXT, _FILE))
         raise ConfigError(
-            file=source, path=_path(loc), line=_line(tree, loc), reason=_reason(first, loc)
+            file=source, path=validation.path(loc), line=_line(tree, loc), reason=reason
         ) from None
     problem = _cross_check(config)
     if problem is not None:
         loc, reason = problem
-        raise ConfigError(file=source, path=_path(loc), line=_line(tree, loc), reason=reason)
+        raise ConfigError(
+            file=source, path=validation.path(loc), line=_line(tree, loc), reason=reason
+        )
     texts = _policy_texts(config, source=source, tree=tree)
     return LoadedConfig(source=source, config=config, policy_texts=texts)
 
@@ -325,8 +248,6 @@ def _sharing(node_set: NodeSet, pool: Pool) -> tuple[dict[str, int] | None, int]
 
 # --- checks -----------------------------------------------------------------------------------
 
-Loc = tuple[str | int, ...]
-
 
 def _cross_check(config: DevConfig) -> tuple[Loc, str] | None:
     """The first reference or rule the models alone cannot check, as (path, reason)."""
@@ -355,8 +276,6 @@ def _cross_check(config: DevConfig) -> tuple[Loc, str] | None:
     for i, pool in enumerate(config.pools):
         if pool.owner not in tenants:
             return ("pools", i, "owner"), _unknown("tenant", pool.owner, tenants)
-        if pool.replicas > 1 and pool.sharing not in ("timeslice", "mps"):
-            return ("pools", i, "replicas"), "replicas are for 'timeslice' and 'mps' pools only"
 
     offered: set[tuple[str, str]] = set()
     for i, offer in enumerate(config.offers):
@@ -432,7 +351,7 @@ def _policy_texts(config: DevConfig, *, source: Path, tree: yaml.Node | None) ->
             except (OSError, UnicodeDecodeError) as e:
                 raise ConfigError(
                     file=source,
-                    path=_path(loc),
+                    path=validation.path(loc),
                     line=_line(tree, loc),
                     reason=f"cannot read {file}: {_os_reason(e)}",
                 ) from None
@@ -442,7 +361,7 @@ def _policy_texts(config: DevConfig, *, source: Path, tree: yaml.Node | None) ->
             cedar.CedarPolicyEngine.from_text(text, validate=True)
         except ComputeError as e:
             raise ConfigError(
-                file=source, path=_path(loc), line=_line(tree, loc), reason=e.message
+                file=source, path=validation.path(loc), line=_line(tree, loc), reason=e.message
             ) from None
         texts.append(text)
     try:
@@ -465,64 +384,6 @@ def _unknown(what: str, value: str, known: Mapping[str, Any] | set[str]) -> str:
         return f"unknown {what} {value!r}; did you mean {hint[0]!r}?"
     listed = ", ".join(names) if names else "none defined"
     return f"unknown {what} {value!r} (defined: {listed})"
-
-
-def _path(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad mapping key; the key itself precedes
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _reason(error: Mapping[str, Any], loc: Loc) -> str:
-    kind = error.get("type", "")
-    if kind == "extra_forbidden":
-        allowed = _keys_at(loc[:-1])
-        key = str(loc[-1])
-        hint = difflib.get_close_matches(key, allowed, n=1)
-        more = f"; did you mean {hint[0]!r}?" if hint else f" (allowed: {', '.join(allowed)})"
-        return f"unknown key {key!r}{more}"
-    if kind == "missing":
-        return "required"
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    value = error.get("input")
-    if isinstance(value, str | int | float | bool) and kind != "missing":
-        return f"{message} (got {value!r})"
-    return message
-
-
-def _keys_at(loc: Loc) -> list[str]:
-    """The keys the model at ``loc`` accepts, for "did you mean"."""
-    model: Any = DevConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if _is_model(model) else None
-        if field is None:
-            return []
-        model = _model_of(field.annotation)
-    return list(model.model_fields) if _is_model(model) else []
-
-
-def _is_model(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, BaseModel)
-
-
-def _model_of(annotation: Any) -> Any:
-    """The model class inside ``list[X]``, ``X | None``, ``dict[str, X]`` or ``Annotated``."""
-    if _is_model(annotation):
-        return annotation
-    origin = typing.get_origin(annotation)
-    if origin is Annotated:
-        return _model_of(typing.get_args(annotation)[0])
-    if origin in (list, dict, typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _model_of(arg)
-            if found is not None:
-                return found
-    return None
 
 
 def _line(tree: yaml.Node | None, loc: Sequence[str | int]) -> int | None:

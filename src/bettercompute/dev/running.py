@@ -54,15 +54,15 @@ from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
 from bettercompute.dev.config import ConfigError, LoadedConfig
 from bettercompute.iam.identities import StaticTokenAuthenticator
+from bettercompute.service import backing
+from bettercompute.service.backing import Database, EmbeddedPostgres
+from bettercompute.service.clusters import ClusterService
 from bettercompute.service.collecting import Collector
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
 from bettercompute.sim.binding import NodeAgent
-from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, Limits
-from bettercompute.store.embedded import EmbeddedPostgres
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ async def started(
     if port:
         _check_port(host, port)
     try:
-        limits = Limits.from_environ(os.environ)
+        limits = backing.limits_from_environ(os.environ)
     except ValueError as e:
         raise DevError(str(e)) from None
     if database_url is not None and fresh:
@@ -253,15 +253,17 @@ async def started(
                 # Forced, the process waits a second for a fast shutdown, then kills the server.
                 signals.on_force(functools.partial(pg.kill_fast, wait_s=1.0))
         try:
-            db = await Database.open(pg.dsn if pg else str(database_url), limits=limits)
+            db = await backing.open_database(pg.dsn if pg else str(database_url), limits=limits)
         except StoreError as e:
             where = f"the embedded PostgreSQL in {state / 'pg'}" if pg else "--database-url"
             raise DevError(f"cannot open {where}: {e}") from e
         stack.push_async_callback(db.close)
-        applied = await applying.apply(db, loaded, nodes=nodes)
+        applied = await applying.apply(ClusterService(db), loaded, nodes=nodes)
         if applied.retired_nodes:
             log.info("nodes no longer simulated: %s", ", ".join(applied.retired_nodes))
-        service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
+        service = await ReservationService.start(
+            db=db, policy=engine, budget=backing.budget_check(db)
+        )
         stack.push_async_callback(service.close)
 
         tasks: list[asyncio.Task[None]] = []

@@ -16,13 +16,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bettercompute.core import errors, pools, ports
+from pydantic import ValidationError
+
+from bettercompute.core import errors, pools, ports, validation
 from bettercompute.core.inventories import AtomSpec, NodeSpec
+from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names
-from bettercompute.service.clusters import PoolDefinition, Quota
-
-SLOT_SHARING = ("timeslice", "mps")
-
 
 # --- Reservations -------------------------------------------------------------------------------
 
@@ -77,40 +76,25 @@ def tenant_of(namespace: str, labels: Mapping[str, str] | None) -> str:
 
 
 def pool_definition(name: str, spec: Mapping[str, Any]) -> PoolDefinition:
-    """A ``GPUPool`` as the service takes it; INVALID_INPUT naming the field otherwise."""
-    owner = spec.get("owner") or {}
-    if not owner.get("tenant"):
-        raise errors.invalid_input("spec.owner.tenant", "required: the tenant that owns the pool")
-    if not spec.get("region"):
-        raise errors.invalid_input("spec.region", "required")
-    sharing = spec.get("sharing") or {}
-    quotas = [
-        Quota(tenant_id=owner["tenant"], resource=r, limit=int(n))
-        for r, n in (owner.get("quotas") or {}).items()
-    ]
-    offers: dict[str, str | None] = {}
-    for i, offer in enumerate(spec.get("offers") or ()):
-        tenant = offer.get("tenant")
-        if not tenant:
-            raise errors.invalid_input(f"spec.offers[{i}].tenant", "required")
-        offers[tenant] = offer.get("onBudgetExceeded")
-        quotas.extend(
-            Quota(tenant_id=tenant, resource=r, limit=int(n))
-            for r, n in (offer.get("quotas") or {}).items()
-        )
-    return PoolDefinition(
-        pool_id=name,
-        owner_tenant_id=owner["tenant"],
-        region=spec["region"],
-        gpu_model=spec.get("model"),
-        sharing_mode=sharing.get("mode") or "exclusive",
-        replicas=int(sharing.get("replicas") or 1),
-        policy=dict(spec.get("policy") or {}),
-        archived=bool(spec.get("archived")),
-        name=name,
-        offers=offers,
-        quotas=quotas,
-    )
+    """A ``GPUPool`` as the service takes it; INVALID_INPUT naming the field (``spec.owner.tenant``)
+    and the reason, in the words the dev configuration uses for the same mistake (one model,
+    ``core.pools.PoolSpec``, validates both)."""
+    try:
+        parsed = pools.PoolSpec.model_validate(_plain(spec))
+    except ValidationError as e:
+        loc, reason = validation.first_problem(e, pools.PoolSpec)
+        raise errors.invalid_input(validation.path(loc, under="spec"), reason) from None
+    return parsed.definition(name)
+
+
+def _plain(value: Any) -> Any:
+    """An object's spec (kopf hands a read-only view) as the dicts and lists strict validation
+    takes."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
@@ -215,7 +199,7 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
         healthy = bool(gpu.get("healthy", True))
         numa = gpu.get("numaNode")
         domain = gpu.get("nvlinkDomain")
-        if pool.sharing_mode == "mig":
+        if pool.pool.sharing == "mig":
             atoms.extend(
                 AtomSpec(
                     device_id=str(m["uuid"]),
@@ -228,7 +212,7 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
                 )
                 for m in gpu.get("mig") or ()
             )
-        elif pool.sharing_mode in SLOT_SHARING:
+        elif pool.pool.sharing in pools.SLOT_SHARING:
             atoms.extend(
                 AtomSpec(
                     device_id=f"{uuid}::{k}",
@@ -238,7 +222,7 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
                     nvlink_domain=domain,
                     healthy=healthy,
                 )
-                for k in range(pool.replicas)
+                for k in range(pool.pool.replicas)
             )
         else:
             atoms.append(

@@ -44,15 +44,14 @@ from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.operator.runtime import Runtime
+from bettercompute.service import backing
+from bettercompute.service.backing import Database
 from bettercompute.service.clusters import ClusterService
 from bettercompute.service.collecting import Collector
 from bettercompute.service.events import EventDelivery
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
-from bettercompute.store import listening
-from bettercompute.store.budgets import DatabaseBudget
-from bettercompute.store.database import Database, Limits
 
 log = logging.getLogger(__name__)
 
@@ -154,15 +153,17 @@ async def started(
     async with contextlib.AsyncExitStack() as stack:
         if db is None:
             try:
-                db = await Database.open(
-                    config.database_url, limits=Limits.from_environ(os.environ)
+                db = await backing.open_database(
+                    config.database_url, limits=backing.limits_from_environ(os.environ)
                 )
             except (StoreError, ValueError) as e:
                 raise OperatorError(f"cannot open the database: {e}") from e
             stack.push_async_callback(db.close)
         clusters = ClusterService(db)
         await clusters.ensure_root_tenant(config.root_tenant)
-        service = await ReservationService.start(db=db, policy=engine, budget=DatabaseBudget(db))
+        service = await ReservationService.start(
+            db=db, policy=engine, budget=backing.budget_check(db)
+        )
         stack.push_async_callback(service.close)
         kube = KubeApi(connection)
         stack.push_async_callback(kube.close)
@@ -194,7 +195,7 @@ async def started(
             allocations.mark_reservation(rid)
 
         async def listen(_: Any) -> None:
-            await listening.payloads(db, "compute_reservation", changed)
+            await backing.reservation_changes(db, changed)
 
         tasks: list[asyncio.Task[None]] = []
         stack.push_async_callback(supervising.cancel, tasks)

@@ -18,10 +18,10 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from bettercompute import supervising
-from bettercompute.core import errors, ids, ports, requests, states
+from bettercompute.core import answers, errors, ids, pools, ports, requests, states
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
 from bettercompute.store import (
     admission,
@@ -36,6 +36,7 @@ from bettercompute.store import (
     views,
 )
 from bettercompute.store.database import Database
+from bettercompute.store.stats import Stats as Stats
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class ReservationService:
 
     # --- create ----------------------------------------------------------------------------
 
-    async def create(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def create(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.CreateInput, data)
         self._precheck(caller, value.tenantId)
         if value.binding == "instance":
@@ -174,7 +175,7 @@ class ReservationService:
         request: dict[str, Any],
         request_hash: str,
         rid: str,
-    ) -> dict[str, Any]:
+    ) -> answers.Reservation:
         while (event := self._in_flight.get(rid)) is not None:
             await event.wait()
         event = self._in_flight[rid] = asyncio.Event()
@@ -191,7 +192,7 @@ class ReservationService:
         request: dict[str, Any],
         request_hash: str,
         rid: str,
-    ) -> dict[str, Any]:
+    ) -> answers.Reservation:
         tenant = value.tenantId
         idem = ids.idempotency_id("create", tenant, caller.identity_id, value.idempotencyKey)
         loop = asyncio.get_running_loop()
@@ -272,7 +273,7 @@ class ReservationService:
             seconds = time.perf_counter() - started
             for observer in self._observers:
                 observer.placed(outcome=view["state"], seconds=seconds)
-            return view
+            return _reservation(view)
         except BaseException as e:
             # The draft stays: the same key is decided again on retry (quota, budget, a
             # database that was away, a cancelled request).
@@ -307,7 +308,7 @@ class ReservationService:
             raise budgets.spend_limit_reached(verdict)
         return gpu_hours if self.budget.ledger_in_store else None
 
-    async def _wait(self, view: dict[str, Any], *, timeout_ms: int) -> dict[str, Any]:
+    async def _wait(self, view: answers.Reservation, *, timeout_ms: int) -> answers.Reservation:
         """Re-read until the operation stops running, backing off 50 ms → 1 s; a timeout
         returns the last read (not an error)."""
         loop = asyncio.get_running_loop()
@@ -322,20 +323,20 @@ class ReservationService:
             view = await self._view(view["id"])
         return view
 
-    async def _view(self, rid: str) -> dict[str, Any]:
+    async def _view(self, rid: str) -> answers.Reservation:
         view = await views.get(self.db, rid)
         if view is None:
             raise errors.not_found()
-        return view
+        return _reservation(view)
 
     # --- reads -----------------------------------------------------------------------------
 
     async def _visible(
         self, caller: ports.Caller, tenant_id: str, rid: str, action: str
-    ) -> Mapping[str, Any]:
+    ) -> answers.AuthorizationRow:
         """The authz row of a reservation the caller may act on. ``NOT_FOUND`` for drafts, for
         another tenant's and for what policy hides: one answer, so nothing leaks."""
-        row = await queries.authz_row(self.db, rid)
+        row = await _authorization_row(self.db, rid)
         if row is None or row["tenant_id"] != tenant_id or row["state"] == states.State.DRAFT:
             raise errors.not_found()
         decision = await self._decide(_on_reservation(caller, action, tenant_id, rid, row))
@@ -352,18 +353,23 @@ class ReservationService:
         return row
 
     async def _may(
-        self, caller: ports.Caller, tenant_id: str, rid: str, row: Mapping[str, Any], action: str
+        self,
+        caller: ports.Caller,
+        tenant_id: str,
+        rid: str,
+        row: answers.AuthorizationRow,
+        action: str,
     ) -> bool:
         decision = await self._decide(_on_reservation(caller, action, tenant_id, rid, row))
         return decision.allowed
 
-    async def get(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def get(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.GetInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.READ)
         return await self._view(value.reservationId)
 
-    async def list(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def list(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.ReservationList:
         value = requests.parse(requests.ListInput, data)
         self._precheck(caller, value.tenantId)
         if value.state is not None and value.state not in {s.value for s in states.State}:
@@ -388,11 +394,11 @@ class ReservationService:
             limit=value.limit,
             cursor=value.cursor,
         )
-        return {"items": items, "nextCursor": cursor}
+        return {"items": [_reservation(item) for item in items], "nextCursor": cursor}
 
     # --- changes ---------------------------------------------------------------------------
 
-    async def release(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def release(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.ReleaseInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
@@ -401,7 +407,7 @@ class ReservationService:
         )
         return await self._view(value.reservationId)
 
-    async def cancel(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def cancel(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.CancelInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
@@ -410,14 +416,14 @@ class ReservationService:
         )
         return await self._view(value.reservationId)
 
-    async def renew(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def renew(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.RenewInput, data)
         self._precheck(caller, value.tenantId)
         await self._visible(caller, value.tenantId, value.reservationId, ports.EXTEND)
         await releasing.renew(self.db, reservation_id=value.reservationId)
         return await self._view(value.reservationId)
 
-    async def extend(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+    async def extend(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.ExtendResult:
         """Admitted like a create: the pending change (total ``durationHours``) is decided on.
 
         Answers ``{reservation, extended}`` and, when another booking starts first,
@@ -427,7 +433,7 @@ class ReservationService:
         value = requests.parse(requests.ExtendInput, data)
         self._precheck(caller, value.tenantId)
         rid = value.reservationId
-        row = await queries.authz_row(self.db, rid)
+        row = await _authorization_row(self.db, rid)
         if row is None or row["tenant_id"] != value.tenantId or row["state"] == "draft":
             raise errors.not_found()
         if not await self._may(caller, value.tenantId, rid, row, ports.READ):
@@ -492,7 +498,7 @@ class ReservationService:
                 functools.partial(extending.extend_clear, self.db, reservation_id=rid, hold=hold),
             )
             raise
-        answer: dict[str, Any] = {
+        answer: answers.ExtendResult = {
             "reservation": await self._view(rid),
             "extended": outcome.extended,
         }
@@ -528,16 +534,16 @@ class ReservationService:
             duration_ms=value.duration_ms,
         )
 
-    async def snapshot(self, reservation_id: str) -> dict[str, Any] | None:
+    async def snapshot(self, reservation_id: str) -> answers.Reservation | None:
         """The stored reservation as the guide's object, unauthorized: for a trusted door that
         projects it (the operator writing ``status``), never for a caller's request. ``None``
         for a draft or an unknown id."""
         view = await views.get(self.db, reservation_id)
         if view is None or view["state"] == states.State.DRAFT.value:
             return None
-        return view
+        return _reservation(view)
 
-    async def counts(self) -> stats.Stats:
+    async def counts(self) -> Stats:
         """Reservations by state and the work queue's depth, read now (for ``/metrics``)."""
         return await stats.read(self.db)
 
@@ -552,12 +558,22 @@ class ReservationService:
         )
 
 
-async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> Any:
+async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:
     async with db.connection() as conn:
         return await admission.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
 
 
-def _relation(pool: Any) -> ports.PoolRelation:
+def _reservation(view: dict[str, Any]) -> answers.Reservation:
+    """The guide's reservation object as ``store.views`` builds it, under its type."""
+    return cast(answers.Reservation, view)
+
+
+async def _authorization_row(db: Database, rid: str) -> answers.AuthorizationRow | None:
+    row = await queries.authz_row(db, rid)
+    return None if row is None else cast(answers.AuthorizationRow, row)
+
+
+def _relation(pool: pools.PoolInfo) -> ports.PoolRelation:
     return ports.PoolRelation(
         pool_id=pool.id,
         owner_tenant_id=pool.owner_tenant_id,
@@ -571,7 +587,7 @@ def _on_reservation(
     action: str,
     tenant_id: str,
     rid: str,
-    row: Mapping[str, Any],
+    row: answers.AuthorizationRow,
     *,
     attributes: Mapping[str, Any] | None = None,
 ) -> ports.DecisionRequest:

@@ -82,7 +82,7 @@ def _pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
         sharing_mode=row["sharing_mode"],
         replicas=row["replicas"],
         archived=row["archived"],
-        policy=row["policy"],
+        policy=pools.PoolPolicy.stored(row["policy"]),
         offered=row["offered"],
         on_budget_exceeded=row["on_budget_exceeded"],
     )
