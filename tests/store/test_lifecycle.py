@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from bettercompute.core.durations import to_ms
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
-from bettercompute.store.admission import to_ms
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.support.world import World

@@ -28,6 +28,7 @@ from bettercompute.store import (
     budgets,
     extending,
     holding,
+    pools,
     previewing,
     queries,
     releasing,
@@ -554,7 +555,7 @@ class ReservationService:
 
 async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> Any:
     async with db.connection() as conn:
-        return await admission.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+        return await pools.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
 
 
 def _relation(pool: Any) -> ports.PoolRelation:
