@@ -3,6 +3,8 @@
 Runs against the real PostgreSQL of the test session. Business time moves with
 ``inventory.advance_clock``; the reconciler is driven by hand with ``Reconciler.run_once``, and
 node reports go through ``ReservationService.report`` exactly as a gateway would send them.
+The rules alone (what is due in each state) are tables in ``tests/unit/test_lifecycle_rules.py``;
+these tests keep what needs the database: the statements, the events, the wake-ups and races.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from bettercompute.core.durations import to_ms
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
-from bettercompute.store.admission import to_ms
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.support.world import World
@@ -490,23 +492,10 @@ async def test_unhealthy_atom_and_unreachable_node_only_raise_conditions(
     ]
     assert node in condition(view, "NodeUnreachable")["message"]
 
-    # Lost beats unhealthy.
-    assert await report(service, alloc, "released")
-    await run(db)
-    view = await get(service, rid)
-    assert condition(view, "Degraded")["reason"] == "BindingLost"
-
-    # Rechecks every 15 minutes keep it active and booked.
-    for _ in range(3):
-        await advance(db, 15 * 60 + 1)
-        await run(db)
-    view = await get(service, rid)
-    assert view["state"] == "active"
-    assert len(await bookings(db, rid)) == 4
-    assert "reservation.released" not in await event_types(db, rid)
+    # That lost beats unhealthy, and that rechecks keep it active, are rules:
+    # tests/unit/test_lifecycle_rules.py.
 
     # Everything heals: the conditions go.
-    assert await report(service, alloc, "bound", cdiDevices=cdi(alloc["device_ids"]))
     await inventory.set_atom_health(db, node_id=node, device_id=device, healthy=True)
     await inventory.set_node_status(db, node_id=node, connected=True)
     await run(db)
@@ -1165,28 +1154,3 @@ async def test_node_lease_books_whole_nodes_and_gets_no_second_placement(
     assert failed["state"] == "failed"
     assert condition(failed, "BindTimeout")["reason"] == "NodeDidNotBind"
     assert await quota_used(db) == 0
-
-
-async def test_a_pending_start_that_has_passed_gets_the_full_duration_from_placement(
-    db: Database, service: ReservationService
-) -> None:
-    await world(db, nodes=1, gpus=8, domains=1)
-    blocker = await create(service, "blocker", count=8, duration="3h")
-    start = await now_ms(db) + HOUR_MS
-    waiting = await create(service, "waiting", count=8, duration="2h", start=start)
-    assert waiting["state"] == "pending"
-    # Still ahead: a retry keeps the requested start (nothing fits yet, so it waits).
-    await advance(db, 30 * 60)
-    await run(db)
-    assert (await get(service, waiting["id"]))["state"] == "pending"
-    # The requested start passes while the blocker still holds the devices; once they are
-    # released, the window begins at placement and lasts the full two hours.
-    await advance(db, 60 * 60)
-    await service.release(caller(), {"tenantId": "acme", "reservationId": blocker["id"]})
-    await run(db)
-    placed = await get(service, waiting["id"])
-    assert placed["state"] in ("placed", "binding")
-    placed_at = await now_ms(db)
-    assert placed["during"]["start"] >= start + 30 * 60 * 1000
-    assert placed["during"]["start"] <= placed_at
-    assert placed["during"]["end"] - placed["during"]["start"] == 2 * HOUR_MS

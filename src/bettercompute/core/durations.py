@@ -6,6 +6,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 MS_PER_UNIT = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000, "ms": 1}
@@ -77,3 +78,17 @@ def format_ms(ms: int) -> str:
 def hours(ms: int) -> float:
     """Hours to three decimals, the precision policies see (``durationHours``)."""
     return round(ms / MS_PER_UNIT["h"], 3)
+
+
+# Business time is whole milliseconds since the epoch (``compute_now()`` truncates to them), so
+# instants cross the API, the conditions and the events as integers; these convert exactly.
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def from_ms(ms: int) -> dt.datetime:
+    return _EPOCH + dt.timedelta(milliseconds=ms)
+
+
+def to_ms(at: dt.datetime) -> int:
+    """Epoch milliseconds, exactly (no float): business time is in whole milliseconds."""
+    return (at - _EPOCH) // dt.timedelta(milliseconds=1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from bettercompute import supervising
 from bettercompute.core.errors import StoreError
-from bettercompute.store import listening, queries
+from bettercompute.store import listening, outbox
 from bettercompute.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,11 @@ class EventDelivery:
 
     async def deliver_pending(self) -> int:
         """Deliver what is waiting now; returns how many events were delivered."""
-        last = saved = await queries.outbox_cursor(self.db, subscriber=self.subscriber)
+        last = saved = await outbox.cursor(self.db, subscriber=self.subscriber)
         count = 0
         try:
             while True:
-                events = await queries.outbox_after(self.db, after_id=last)
+                events = await outbox.events_after(self.db, after_id=last)
                 if not events:
                     return count
                 for event in events:
@@ -55,7 +55,7 @@ class EventDelivery:
         finally:
             # Up to the last event handled, even when a handler fails: what failed comes again.
             if last != saved:
-                await queries.save_outbox_cursor(self.db, subscriber=self.subscriber, last_id=last)
+                await outbox.save_cursor(self.db, subscriber=self.subscriber, last_id=last)
 
     async def run(self) -> None:
         listener = asyncio.create_task(

@@ -35,6 +35,7 @@ from bettercompute.store import (
     stats,
     views,
 )
+from bettercompute.store import pools as store_pools
 from bettercompute.store.database import Database
 from bettercompute.store.stats import Stats as Stats
 
@@ -560,7 +561,7 @@ class ReservationService:
 
 async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:
     async with db.connection() as conn:
-        return await admission.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+        return await store_pools.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
 
 
 def _reservation(view: dict[str, Any]) -> answers.Reservation:

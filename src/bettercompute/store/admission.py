@@ -29,20 +29,12 @@ import psycopg.errors
 
 from bettercompute.core import attributes, errors, placement, pools, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store import budgets, journal, placing, views
-from bettercompute.store.database import Conn, Database, jsonb, script, scripted
+from bettercompute.store import budgets, journal, placing, quotas, views
+from bettercompute.store import pools as pool_rows
+from bettercompute.store.database import Database, jsonb, script, scripted
 
 #: The last resort for a live holder that hung: its claim is taken over after this long.
 CLAIM_TTL = dt.timedelta(seconds=30)
-PENDING_RETRY = dt.timedelta(seconds=30)
-START_WARNING = dt.timedelta(minutes=15)
-
-_POOL = """
-    SELECT p.id, p.owner_tenant_id, p.region, p.gpu_model, p.sharing_mode, p.replicas,
-           p.archived, p.policy, o.tenant_id IS NOT NULL AS offered, o.on_budget_exceeded
-      FROM pools p LEFT JOIN offers o ON o.pool_id = p.id AND o.tenant_id = %s
-     WHERE p.id = %s
-"""
 
 
 @dataclass(frozen=True)
@@ -66,26 +58,6 @@ class Existing:
 @dataclass(frozen=True)
 class Busy:
     """Another request with this key is being admitted right now; ask again shortly."""
-
-
-async def read_pool(conn: Conn, *, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:
-    row = await (await conn.execute(_POOL, (tenant_id, pool_id))).fetchone()
-    return None if row is None else _pool_info(row)
-
-
-def _pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
-    return pools.PoolInfo(
-        id=row["id"],
-        owner_tenant_id=row["owner_tenant_id"],
-        region=row["region"],
-        gpu_model=row["gpu_model"],
-        sharing_mode=row["sharing_mode"],
-        replicas=row["replicas"],
-        archived=row["archived"],
-        policy=pools.PoolPolicy.stored(row["policy"]),
-        offered=row["offered"],
-        on_budget_exceeded=row["on_budget_exceeded"],
-    )
 
 
 async def write_draft(
@@ -141,7 +113,11 @@ async def write_draft(
             states.State.AWAITING_CONFIRMATION,
         ):
             return Existing(reservation_id)
-        pool = _pool_info({**row, "id": row["pool_id"]}) if row["pool_id"] is not None else None
+        pool = (
+            pool_rows.pool_info({**row, "id": row["pool_id"]})
+            if row["pool_id"] is not None
+            else None
+        )
         if pool is None:
             raise errors.not_found("pool")
         pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
@@ -335,7 +311,7 @@ async def _commit_once(
             raise budgets.short_error(begun["budget_short"])
         if begun["quota_short"] is not None:
             # Leaving the block rolls the transaction back: nothing was charged or written.
-            raise quota_exceeded(begun["quota_short"])
+            raise quotas.short_error(begun["quota_short"])
         now, start, end = begun["now_"], begun["start_"], begun["end_"]
         snap = await placing.snapshot_from(
             conn,
@@ -350,7 +326,6 @@ async def _commit_once(
             if request.get("leaseSeconds")
             else None
         )
-        charge = jsonb(dict(demand))
         if isinstance(outcome, placement.Placed):
             book_sql, book_params = placing.book_statement(
                 reservation_id=draft.reservation_id,
@@ -360,37 +335,27 @@ async def _commit_once(
                 start=start,
                 end=end,
             )
-            apply_sql = (
-                f"{book_sql}; SELECT bc_mark_placed(%s, %s, %s, %s, %s, %s, %s,"
-                " 'reservation.placed', %s)"
+            mark_sql, mark_params = placing.mark_placed_statement(
+                reservation_id=draft.reservation_id,
+                pool_id=draft.pool.id,
+                outcome=outcome,
+                start=start,
+                end=end,
+                lease=lease,
+                now=now,
+                quota_charge=demand,
             )
-            apply_params: tuple[Any, ...] = (
-                *book_params,
-                draft.reservation_id,
-                draft.pool.id,
-                start,
-                end,
-                lease,
-                now,
-                [m.node_id for m in outcome.members],
-                charge,
-            )
+            apply_sql = f"{book_sql}; {mark_sql}"
+            apply_params: tuple[Any, ...] = (*book_params, *mark_params)
             result = "placed"
         else:
-            cond = states.condition(
-                states.Condition.UNSCHEDULABLE,
-                states.Reason.NO_FIT,
-                outcome.message,
-                at_ms=to_ms(now),
-            )
-            apply_sql = "SELECT bc_mark_pending(%s, %s, %s, %s, %s, true, %s)"
-            apply_params = (
-                draft.reservation_id,
-                draft.pool.id,
-                jsonb(cond),
-                str(states.Reason.NO_FIT),
-                now,
-                charge,
+            apply_sql, apply_params = placing.mark_pending_statement(
+                reservation_id=draft.reservation_id,
+                pool_id=draft.pool.id,
+                message=outcome.message,
+                now=now,
+                first=True,
+                quota_charge=demand,
             )
             result = "pending"
         results = await script(
@@ -409,99 +374,3 @@ async def _commit_once(
             ),
         )
     return views.to_view(results[-1][0])
-
-
-def quota_exceeded(short: list[dict[str, Any]]) -> ComputeError:
-    words = ", ".join(
-        f"{d['resource']} (asked {d['requested']}, {d['limit'] - d['used']} left of {d['limit']})"
-        for d in short
-    )
-    return ComputeError(ErrorCode.QUOTA_EXCEEDED, f"quota exceeded: {words}", {"quota": short})
-
-
-async def refund_quota(conn: Conn, *, tenant_id: str, charge: Mapping[str, int] | None) -> None:
-    if not charge:
-        return
-    resources = sorted(charge)
-    await conn.execute(
-        "UPDATE quotas q SET used = greatest(q.used - d.n, 0)"
-        "  FROM unnest(%s::text[], %s::bigint[]) AS d(resource, n)"
-        " WHERE q.tenant_id = %s AND q.resource = d.resource",
-        (resources, [charge[r] for r in resources], tenant_id),
-    )
-
-
-async def current_time(conn: Conn) -> dt.datetime:
-    row = await (await conn.execute("SELECT compute_now() AS now")).fetchone()
-    assert row is not None
-    now: dt.datetime = row["now"]
-    return now
-
-
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-
-def from_ms(ms: int) -> dt.datetime:
-    return _EPOCH + dt.timedelta(milliseconds=ms)
-
-
-def to_ms(at: dt.datetime) -> int:
-    """Epoch milliseconds, exactly (no float): business time is in whole milliseconds."""
-    return (at - _EPOCH) // dt.timedelta(milliseconds=1)
-
-
-async def mark_placed(
-    conn: Conn,
-    *,
-    reservation_id: str,
-    pool_id: str,
-    outcome: placement.Placed,
-    start: dt.datetime,
-    end: dt.datetime,
-    lease: dt.datetime | None,
-    now: dt.datetime,
-    event: str = "reservation.placed",
-    quota_charge: Mapping[str, int] | None = None,
-) -> None:
-    """The reservation is ``placed`` on ``outcome``: window, binding, wake-ups, event."""
-    await conn.execute(
-        "SELECT bc_mark_placed(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-        (
-            reservation_id,
-            pool_id,
-            start,
-            end,
-            lease,
-            now,
-            [m.node_id for m in outcome.members],
-            event,
-            jsonb(dict(quota_charge)) if quota_charge is not None else None,
-        ),
-    )
-
-
-async def mark_pending(
-    conn: Conn,
-    *,
-    reservation_id: str,
-    pool_id: str,
-    message: str,
-    now: dt.datetime,
-    first: bool,
-    reason: str = states.Reason.NO_FIT,
-    quota_charge: Mapping[str, int] | None = None,
-) -> None:
-    """``pending`` with ``Unschedulable``; retried in 30 s (sooner when capacity is freed)."""
-    cond = states.condition(states.Condition.UNSCHEDULABLE, reason, message, at_ms=to_ms(now))
-    await conn.execute(
-        "SELECT bc_mark_pending(%s, %s, %s, %s, %s, %s, %s)",
-        (
-            reservation_id,
-            pool_id,
-            jsonb(cond),
-            str(reason),
-            now,
-            first,
-            jsonb(dict(quota_charge)) if quota_charge is not None else None,
-        ),
-    )

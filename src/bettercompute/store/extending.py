@@ -19,10 +19,10 @@ from typing import Any
 import psycopg.errors
 
 from bettercompute.core import errors, requests
+from bettercompute.core.durations import from_ms, to_ms
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.core.states import State
 from bettercompute.store import budgets, journal, locking
-from bettercompute.store.admission import from_ms, to_ms
 from bettercompute.store.database import Conn, Database, jsonb
 
 EXTEND_HOLD_TTL = dt.timedelta(seconds=60)

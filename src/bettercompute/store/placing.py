@@ -9,6 +9,10 @@ Why a cache: a pool's nodes and atoms change rarely and are most of a snapshot. 
 per pool in ``InventoryCache`` under the pool's ``inventory_version`` (bumped in the same
 transaction as any node or atom change), so a placement reads only the version and the atoms
 busy in its window. Called by admission (transaction 2) and by the reconciler.
+
+The placed and pending marks are here too, each one statement (``bc_mark_placed``,
+``bc_mark_pending``) built in one place: admission sends it inside its pipelined script, the
+reconciler executes it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bettercompute.core import ids, placement, pools
+from bettercompute.core import ids, placement, pools, states
+from bettercompute.core.durations import to_ms
 from bettercompute.store.caching import Inventory, InventoryCache
-from bettercompute.store.database import Conn
+from bettercompute.store.database import Conn, jsonb
 
 _NODES = "SELECT id, name, ready, connected, labels FROM nodes WHERE pool_id = %s ORDER BY id"
 _ATOMS = """
@@ -220,3 +225,108 @@ async def unbook(conn: Conn, *, reservation_id: str) -> None:
     """Drop every booking and allocation of a reservation (re-placement, cancel, failure)."""
     await conn.execute("DELETE FROM bookings WHERE reservation_id = %s", (reservation_id,))
     await conn.execute("DELETE FROM allocations WHERE reservation_id = %s", (reservation_id,))
+
+
+def mark_placed_statement(
+    *,
+    reservation_id: str,
+    pool_id: str,
+    outcome: placement.Placed,
+    start: dt.datetime,
+    end: dt.datetime,
+    lease: dt.datetime | None,
+    now: dt.datetime,
+    event: str = "reservation.placed",
+    quota_charge: Mapping[str, int] | None = None,
+) -> tuple[str, tuple[Any, ...]]:
+    """The statement that marks the reservation ``placed`` on ``outcome``: window, binding,
+    wake-ups, event (and the quota charge, at admission)."""
+    return (
+        "SELECT bc_mark_placed(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            reservation_id,
+            pool_id,
+            start,
+            end,
+            lease,
+            now,
+            [m.node_id for m in outcome.members],
+            event,
+            jsonb(dict(quota_charge)) if quota_charge is not None else None,
+        ),
+    )
+
+
+async def mark_placed(
+    conn: Conn,
+    *,
+    reservation_id: str,
+    pool_id: str,
+    outcome: placement.Placed,
+    start: dt.datetime,
+    end: dt.datetime,
+    lease: dt.datetime | None,
+    now: dt.datetime,
+    event: str = "reservation.placed",
+) -> None:
+    await conn.execute(
+        *mark_placed_statement(
+            reservation_id=reservation_id,
+            pool_id=pool_id,
+            outcome=outcome,
+            start=start,
+            end=end,
+            lease=lease,
+            now=now,
+            event=event,
+        )
+    )
+
+
+def mark_pending_statement(
+    *,
+    reservation_id: str,
+    pool_id: str,
+    message: str,
+    now: dt.datetime,
+    first: bool,
+    reason: str = states.Reason.NO_FIT,
+    quota_charge: Mapping[str, int] | None = None,
+) -> tuple[str, tuple[Any, ...]]:
+    """The statement that marks the reservation ``pending`` with ``Unschedulable``, retried in
+    30 s (sooner when capacity is freed); the ``pending`` event only the ``first`` time."""
+    cond = states.condition(states.Condition.UNSCHEDULABLE, reason, message, at_ms=to_ms(now))
+    return (
+        "SELECT bc_mark_pending(%s, %s, %s, %s, %s, %s, %s)",
+        (
+            reservation_id,
+            pool_id,
+            jsonb(cond),
+            str(reason),
+            now,
+            first,
+            jsonb(dict(quota_charge)) if quota_charge is not None else None,
+        ),
+    )
+
+
+async def mark_pending(
+    conn: Conn,
+    *,
+    reservation_id: str,
+    pool_id: str,
+    message: str,
+    now: dt.datetime,
+    first: bool,
+    reason: str = states.Reason.NO_FIT,
+) -> None:
+    await conn.execute(
+        *mark_pending_statement(
+            reservation_id=reservation_id,
+            pool_id=pool_id,
+            message=message,
+            now=now,
+            first=first,
+            reason=reason,
+        )
+    )

@@ -17,8 +17,9 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core import errors, placement, pools
-from bettercompute.store import admission, placing
+from bettercompute.core import durations, errors, placement, pools
+from bettercompute.store import clock, placing
+from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Database
 
 #: Matches no reservation id: a preview books nothing, so nothing of its own is ignored.
@@ -37,14 +38,14 @@ async def preview(
     pool_id = str(request["poolId"])
     async with db.connection() as conn, conn.transaction():
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        pool = await admission.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+        pool = await pool_rows.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
         if pool is None:
             raise errors.not_found("pool")
         pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
-        now = await admission.current_time(conn)
+        now = await clock.current_time(conn)
         start = now
         if request.get("start") is not None:
-            start = max(now, admission.from_ms(int(request["start"])))
+            start = max(now, durations.from_ms(int(request["start"])))
         try:
             end = start + dt.timedelta(milliseconds=duration_ms)
         except OverflowError:
@@ -62,7 +63,7 @@ async def preview(
     outcome = placement.place(snapshot=snap, demand=pools.demand(request=request))
     answer: dict[str, Any] = {
         "poolId": pool_id,
-        "during": {"start": admission.to_ms(start), "end": admission.to_ms(end)},
+        "during": {"start": durations.to_ms(start), "end": durations.to_ms(end)},
     }
     if isinstance(outcome, placement.NoFit):
         return {

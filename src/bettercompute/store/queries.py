@@ -63,39 +63,6 @@ async def authz_row(db: Database, reservation_id: str) -> dict[str, Any] | None:
     return row
 
 
-async def outbox_after(db: Database, *, after_id: int, limit: int = 500) -> list[dict[str, Any]]:
-    async with db.connection() as conn:
-        rows = await (
-            await conn.execute(
-                "SELECT id, type, subject, data, epoch_ms(created_at) AS at FROM outbox"
-                " WHERE id > %s ORDER BY id LIMIT %s",
-                (after_id, limit),
-            )
-        ).fetchall()
-    return rows
-
-
-async def outbox_cursor(db: Database, *, subscriber: str) -> int:
-    async with db.connection() as conn:
-        row = await (
-            await conn.execute(
-                "INSERT INTO outbox_cursors (subscriber) VALUES (%s)"
-                " ON CONFLICT (subscriber) DO UPDATE SET subscriber = excluded.subscriber"
-                " RETURNING last_id",
-                (subscriber,),
-            )
-        ).fetchone()
-    return int(row["last_id"]) if row else 0
-
-
-async def save_outbox_cursor(db: Database, *, subscriber: str, last_id: int) -> None:
-    async with db.connection() as conn:
-        await conn.execute(
-            "UPDATE outbox_cursors SET last_id = greatest(last_id, %s) WHERE subscriber = %s",
-            (last_id, subscriber),
-        )
-
-
 async def root_tenant(db: Database) -> str | None:
     """The root tenant's id, whose members pass every tenant pre-check, if there is one."""
     async with db.connection() as conn:

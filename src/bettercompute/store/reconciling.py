@@ -1,28 +1,27 @@
-"""Reconciling a reservation: do what is due for it now, by state.
+"""Reconciling a reservation: lock, read a snapshot, let ``core.lifecycle`` decide, apply.
 
 Woken by the work queue at the moments that matter (start − 15 min, start, the bind deadline,
 the end, the lease deadline, retries, node changes). Level-triggered: it looks at the
 reservation and ``compute_now()`` and does what is due, so a wake-up that arrives twice or late
-does no harm. It never decides policy, and while a reservation is active it only sets and
-clears conditions: it never releases one (the end and the lease do).
+does no harm.
+
+This module holds the SQL and the races (which rows to lock and in what order, what to read for
+a state, the statements that apply a step); every rule of the lifecycle (what is due, what a
+failed binding or a lost node means) is ``core.lifecycle.decide``. It never decides policy.
+Its state-changing statements are guarded by the state the decision was made on; the
+reservation's row lock makes the guard hold, so it documents what each step expects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from collections.abc import Mapping
-from typing import Any
 
-from bettercompute.core import placement, pools, states
-from bettercompute.core.states import Condition, Reason, State
-from bettercompute.store import admission, journal, locking, placing, releasing
-from bettercompute.store.admission import to_ms
+from bettercompute.core import lifecycle, placement, states
+from bettercompute.core.states import State
+from bettercompute.store import clock, journal, locking, placing, quotas, releasing
+from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row, jsonb
-
-BIND_TIMEOUT = dt.timedelta(minutes=5)
-NODE_BIND_TIMEOUT = dt.timedelta(hours=2)
-MAX_BIND_ATTEMPTS = 3
-ACTIVE_RECHECK = dt.timedelta(minutes=15)
 
 
 async def reconcile_due(db: Database, *, limit: int = 20) -> int:
@@ -74,26 +73,11 @@ async def reconcile(conn: Conn, reservation_id: str) -> None:
     row = await locking.lock_reservation(conn, reservation_id, pool_lock=True)
     if row is None:
         return
-    state = State(row["state"])
-    if state in states.TERMINAL or state in (State.DRAFT, State.AWAITING_CONFIRMATION):
-        if state == State.RELEASED:
-            await releasing.carry_held(conn, row)
-        return
-    now = await admission.current_time(conn)
-    if row["lease_expires_at"] is not None and now >= row["lease_expires_at"]:
-        await releasing.finish(conn, row, now=now, reason="lease-lapsed")
-        return
-    if row["end_at"] is not None and now >= row["end_at"]:
-        await releasing.finish(conn, row, now=now, reason="expired")
-        return
-    if state == State.PENDING:
-        await _retry_pending(conn, row, now)
-    elif state == State.PLACED:
-        await _placed(conn, row, now)
-    elif state == State.BINDING:
-        await _binding(conn, row, now)
-    elif state == State.ACTIVE:
-        await _active(conn, row, now)
+    now = await clock.current_time(conn)
+    reservation = await _snapshot(conn, row)
+    allocations = await _allocations(conn, row["id"], reservation.state)
+    step = lifecycle.decide(reservation, allocations, now=now)
+    await _apply(conn, row, reservation, step, now)
 
 
 async def _settled(conn: Conn, reservation_id: str) -> bool:
@@ -121,128 +105,38 @@ async def _settled(conn: Conn, reservation_id: str) -> bool:
     return state in states.TERMINAL and not row["held"]
 
 
-async def _pool(conn: Conn, row: Row) -> pools.PoolInfo | None:
-    return await admission.read_pool(conn, pool_id=row["pool_id"], tenant_id=row["tenant_id"])
-
-
-async def _fail(conn: Conn, row: Row, *, reason: str, message: str, kind: Condition) -> None:
-    now = await admission.current_time(conn)
-    await placing.unbook(conn, reservation_id=row["id"])
-    await admission.refund_quota(conn, tenant_id=row["tenant_id"], charge=row["quota_charge"])
-    cond = states.condition(kind, reason, message, at_ms=to_ms(now))
-    await conn.execute(
-        "UPDATE reservations SET state = 'failed', conditions = %s, failure = %s,"
-        " during = NULL, binding = NULL, version = version + 1, updated_at = compute_now()"
-        " WHERE id = %s",
-        (jsonb([cond]), jsonb({"reason": reason, "message": message}), row["id"]),
-    )
-    await journal.emit(
-        conn,
-        "reservation.failed",
-        reservation_id=row["id"],
-        data={"state": "failed", "poolId": row["pool_id"], "reason": reason},
-    )
-    await journal.audit(
-        conn,
-        action="reconcile",
-        outcome="failed",
-        resource_id=row["id"],
+async def _snapshot(conn: Conn, row: Row) -> lifecycle.Reservation:
+    """The locked row and the facts its state needs, and only those (each is a query)."""
+    state = State(row["state"])
+    pool = None
+    sound = True
+    unhealthy: list[str] = []
+    unreachable: list[str] = []
+    if state == State.PENDING:
+        pool = await pool_rows.read_pool(conn, pool_id=row["pool_id"], tenant_id=row["tenant_id"])
+    elif state == State.PLACED:
+        sound = await _booking_is_sound(conn, row["id"])
+    elif state == State.ACTIVE:
+        unhealthy, unreachable = await _health(conn, row["id"])
+    return lifecycle.Reservation(
+        state=state,
         tenant_id=row["tenant_id"],
-        context={"reason": reason, "message": message},
-    )
-    await journal.wake_pending(conn, pool_id=row["pool_id"])
-
-
-async def _window(row: Row, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
-    """A pending reservation keeps its requested start while it is ahead; once it has passed,
-    the window begins at placement with the full duration."""
-    requested = row["requested_start"]
-    start = max(now, requested) if requested is not None else now
-    return start, start + row["duration"]
-
-
-async def _place(
-    conn: Conn,
-    row: Row,
-    *,
-    start: dt.datetime,
-    end: dt.datetime,
-    now: dt.datetime,
-    lease: dt.datetime | None = None,
-    event: str = "reservation.placed",
-) -> placement.Outcome:
-    """Place the reservation on [start, end) and, when it fits, mark it placed; the caller
-    decides what a no-fit means (still pending, repair failed, re-placement failed)."""
-    outcome = await placing.place(
-        conn,
-        reservation_id=row["id"],
-        pool_id=row["pool_id"],
-        request=row["request"],
-        start=start,
-        end=end,
-    )
-    if isinstance(outcome, placement.Placed):
-        await admission.mark_placed(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            outcome=outcome,
-            start=start,
-            end=end,
-            lease=lease,
-            now=now,
-            event=event,
-        )
-    return outcome
-
-
-async def _retry_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
-    pool = await _pool(conn, row)
-    if pool is None or not pool.visible_to(row["tenant_id"]):
-        await _fail(
-            conn,
-            row,
-            reason=Reason.POOL_GONE,
-            kind=Condition.UNSCHEDULABLE,
-            message="the pool is archived or no longer offered to the tenant",
-        )
-        return
-    if row["pending_since"] is not None and now - row["pending_since"] > dt.timedelta(
-        milliseconds=pool.max_pending_ms
-    ):
-        await _fail(
-            conn,
-            row,
-            reason=Reason.MAX_PENDING_EXCEEDED,
-            kind=Condition.UNSCHEDULABLE,
-            message=f"pending longer than the pool's maxPending ({pool.max_pending_ms} ms)",
-        )
-        return
-    start, end = await _window(row, now)
-    lease = now + dt.timedelta(seconds=row["lease_seconds"]) if row["lease_seconds"] else None
-    outcome = await _place(conn, row, start=start, end=end, now=now, lease=lease)
-    if isinstance(outcome, placement.Placed):
-        return
-    current = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
-    if current is not None and current.get("reason") == Reason.BOOKING_REPAIR_FAILED:
-        # Still no fit: the reason the reservation waits is still the booking that went bad.
-        return await _still_pending(conn, row, now)
-    if current is not None and current.get("message") == outcome.message:
-        return await _still_pending(conn, row, now)
-    await admission.mark_pending(
-        conn,
-        reservation_id=row["id"],
-        pool_id=row["pool_id"],
-        message=outcome.message,
-        now=now,
-        first=False,
-    )
-
-
-async def _still_pending(conn: Conn, row: Row, now: dt.datetime) -> None:
-    # Nothing changed: keep the version still, so watchers see no churn; try again in 30 s.
-    await journal.wake(
-        conn, reservation_id=row["id"], at=now + admission.PENDING_RETRY, why="retry"
+        binding_mode=row["request"].get("binding", ""),
+        conditions=row["conditions"],
+        binding=row["binding"],
+        start=row["start_at"],
+        end=row["end_at"],
+        requested_start=row["requested_start"],
+        duration=row["duration"],
+        lease_seconds=row["lease_seconds"],
+        lease_expires_at=row["lease_expires_at"],
+        pending_since=row["pending_since"],
+        bind_deadline=row["bind_deadline"],
+        bind_failures=row["bind_failures"],
+        pool=pool,
+        booking_sound=sound,
+        unhealthy_devices=unhealthy,
+        unreachable_nodes=unreachable,
     )
 
 
@@ -259,28 +153,171 @@ async def _booking_is_sound(conn: Conn, reservation_id: str) -> bool:
     return bool(row and row["sound"] is not False)
 
 
-async def _placed(conn: Conn, row: Row, now: dt.datetime) -> None:
-    start, end = row["start_at"], row["end_at"]
-    if not await _booking_is_sound(conn, row["id"]):
-        # Repair before the start: book the same window elsewhere, or wait pending.
-        await placing.unbook(conn, reservation_id=row["id"])
-        outcome = await _place(
-            conn, row, start=max(start, now), end=end, now=now, event="reservation.repaired"
+async def _health(conn: Conn, reservation_id: str) -> tuple[list[str], list[str]]:
+    """The booked devices that are unhealthy, and the booked nodes that are not connected."""
+    health = await (
+        await conn.execute(
+            "SELECT array_agg(DISTINCT a.device_id ORDER BY a.device_id)"
+            "         FILTER (WHERE NOT a.healthy) AS unhealthy,"
+            "       array_agg(DISTINCT n.id ORDER BY n.id) FILTER (WHERE NOT n.connected)"
+            "         AS unreachable"
+            "  FROM bookings b JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id"
+            " WHERE b.reservation_id = %s",
+            (reservation_id,),
         )
-        if isinstance(outcome, placement.NoFit):
-            await admission.mark_pending(
+    ).fetchone()
+    return (health or {}).get("unhealthy") or [], (health or {}).get("unreachable") or []
+
+
+async def _allocations(conn: Conn, reservation_id: str, state: State) -> list[lifecycle.Allocation]:
+    """The reservation's allocations, read only in the states whose rules look at them."""
+    if state not in (State.BINDING, State.ACTIVE):
+        return []
+    rows = await (
+        await conn.execute(
+            "SELECT id, node_id, state, report FROM allocations WHERE reservation_id = %s"
+            " ORDER BY node_id",
+            (reservation_id,),
+        )
+    ).fetchall()
+    return [
+        lifecycle.Allocation(id=a["id"], node_id=a["node_id"], state=a["state"], report=a["report"])
+        for a in rows
+    ]
+
+
+async def _apply(
+    conn: Conn,
+    row: Row,
+    reservation: lifecycle.Reservation,
+    step: lifecycle.Step,
+    now: dt.datetime,
+) -> None:
+    """Carry out ``step`` with guarded statements, in the caller's transaction."""
+    rid = row["id"]
+    match step:
+        case lifecycle.NothingDue():
+            return
+        case lifecycle.WaitUntil(at=at, why=why):
+            await journal.wake(conn, reservation_id=rid, at=at, why=why)
+        case lifecycle.Release(reason=reason):
+            await releasing.finish(conn, row, now=now, reason=reason)
+        case lifecycle.CarryHeld():
+            await releasing.carry_held(conn, row)
+        case lifecycle.Fail():
+            await _fail(conn, row, reservation.state, step)
+        case lifecycle.Place():
+            await _place(conn, row, reservation, step, now)
+        case lifecycle.MarkPending(reason=reason, message=message, first=first):
+            await placing.mark_pending(
                 conn,
-                reservation_id=row["id"],
+                reservation_id=rid,
                 pool_id=row["pool_id"],
+                message=message,
                 now=now,
-                first=True,
-                reason=Reason.BOOKING_REPAIR_FAILED,
-                message=f"the booking went bad before the start: {outcome.message}",
+                first=first,
+                reason=reason,
             )
-        return
-    if now < start:
-        return
-    deadline = now + (NODE_BIND_TIMEOUT if row["request"]["binding"] == "node" else BIND_TIMEOUT)
+        case lifecycle.StartBinding(deadline=deadline):
+            await _start_binding(conn, row, deadline)
+            # Reports that arrived while the reservation was still placed are judged now.
+            binding = dataclasses.replace(reservation, state=State.BINDING, bind_deadline=deadline)
+            allocations = await _allocations(conn, rid, binding.state)
+            await _apply(conn, row, binding, lifecycle.decide(binding, allocations, now=now), now)
+        case lifecycle.Activate():
+            await _activate(conn, row, step)
+        case lifecycle.SetConditions():
+            await conn.execute(
+                "UPDATE reservations SET conditions = %s, binding = %s, version = version + 1,"
+                " updated_at = compute_now() WHERE id = %s AND state = 'active'",
+                (jsonb(list(step.conditions)), jsonb(step.binding), rid),
+            )
+            await journal.wake(conn, reservation_id=rid, at=step.recheck_at, why="recheck")
+
+
+async def _fail(conn: Conn, row: Row, state: State, step: lifecycle.Fail) -> None:
+    if step.bind_failures is not None:
+        await conn.execute(
+            "UPDATE reservations SET bind_failures = %s WHERE id = %s",
+            (step.bind_failures, row["id"]),
+        )
+    await placing.unbook(conn, reservation_id=row["id"])
+    await quotas.refund(conn, tenant_id=row["tenant_id"], charge=row["quota_charge"])
+    await conn.execute(
+        "UPDATE reservations SET state = 'failed', conditions = %s, failure = %s,"
+        " during = NULL, binding = NULL, version = version + 1, updated_at = compute_now()"
+        " WHERE id = %s AND state = %s",
+        (
+            jsonb([dict(step.condition)]),
+            jsonb({"reason": step.reason, "message": step.message}),
+            row["id"],
+            state.value,
+        ),
+    )
+    await journal.emit(
+        conn,
+        "reservation.failed",
+        reservation_id=row["id"],
+        data={"state": "failed", "poolId": row["pool_id"], "reason": step.reason},
+    )
+    await journal.audit(
+        conn,
+        action="reconcile",
+        outcome="failed",
+        resource_id=row["id"],
+        tenant_id=row["tenant_id"],
+        context={"reason": step.reason, "message": step.message},
+    )
+    await journal.wake_pending(conn, pool_id=row["pool_id"])
+
+
+async def _place(
+    conn: Conn,
+    row: Row,
+    reservation: lifecycle.Reservation,
+    step: lifecycle.Place,
+    now: dt.datetime,
+) -> None:
+    """Book the step's window and mark the reservation placed; on no fit, apply what
+    ``lifecycle.after_no_fit`` says (still pending, pending again, repair failed)."""
+    if step.unbook:
+        await placing.unbook(conn, reservation_id=row["id"])
+    if step.bind_failures is not None:
+        await conn.execute(
+            "UPDATE reservations SET bind_failures = %s, bind_deadline = NULL WHERE id = %s",
+            (step.bind_failures, row["id"]),
+        )
+    outcome = await placing.place(
+        conn,
+        reservation_id=row["id"],
+        pool_id=row["pool_id"],
+        request=row["request"],
+        start=step.start,
+        end=step.end,
+    )
+    if isinstance(outcome, placement.Placed):
+        await placing.mark_placed(
+            conn,
+            reservation_id=row["id"],
+            pool_id=row["pool_id"],
+            outcome=outcome,
+            start=step.start,
+            end=step.end,
+            lease=step.lease,
+            now=now,
+            event=step.event,
+        )
+    else:
+        after = lifecycle.after_no_fit(reservation, step, outcome.message, now=now)
+        await _apply(conn, row, reservation, after, now)
+    if step.then_condition is not None:
+        await conn.execute(
+            "UPDATE reservations SET conditions = conditions || %s WHERE id = %s",
+            (jsonb([dict(step.then_condition)]), row["id"]),
+        )
+
+
+async def _start_binding(conn: Conn, row: Row, deadline: dt.datetime) -> None:
     await conn.execute(
         "UPDATE allocations SET state = 'desired', updated_at = compute_now()"
         " WHERE reservation_id = %s AND state = 'planned'",
@@ -288,7 +325,7 @@ async def _placed(conn: Conn, row: Row, now: dt.datetime) -> None:
     )
     await conn.execute(
         "UPDATE reservations SET state = 'binding', bind_deadline = %s, version = version + 1,"
-        " updated_at = compute_now() WHERE id = %s",
+        " updated_at = compute_now() WHERE id = %s AND state = 'placed'",
         (deadline, row["id"]),
     )
     await journal.emit(
@@ -298,96 +335,13 @@ async def _placed(conn: Conn, row: Row, now: dt.datetime) -> None:
         data={"state": "binding", "poolId": row["pool_id"]},
     )
     await journal.wake(conn, reservation_id=row["id"], at=deadline, why="bind-deadline")
-    row = {**row, "state": "binding", "bind_deadline": deadline}
-    # Reports that arrived while the reservation was still placed are judged now.
-    await _binding(conn, row, now)
 
 
-async def _allocations(conn: Conn, reservation_id: str) -> list[Row]:
-    return await (
-        await conn.execute(
-            "SELECT * FROM allocations WHERE reservation_id = %s ORDER BY node_id",
-            (reservation_id,),
-        )
-    ).fetchall()
-
-
-async def _binding(conn: Conn, row: Row, now: dt.datetime) -> None:
-    allocs = await _allocations(conn, row["id"])
-    failed = [a for a in allocs if a["state"] == "failed"]
-    if allocs and not failed and all(a["state"] == "bound" for a in allocs):
-        await _activate(conn, row, allocs)
-        return
-    if not failed and row["bind_deadline"] is not None and now < row["bind_deadline"]:
-        return
-    attempt = row["bind_failures"] + 1
-    reason = Reason.NODE_REJECTED_BINDING if failed else Reason.NODE_DID_NOT_BIND
-    nodes = sorted(
-        {a["node_id"] for a in (failed or allocs if failed else allocs) if a["state"] != "bound"}
-    )
-    detail = "; ".join(
-        f"{a['node_id']}: {(a['report'] or {}).get('reason', 'failed')}" for a in failed
-    )
-    message = f"attempt {attempt} of {MAX_BIND_ATTEMPTS}: " + (
-        f"node refused the binding ({detail})"
-        if failed
-        else f"no bound report within the deadline from {', '.join(nodes)}"
-    )
-    # A node lease (binding 'node') gets no second placement: its machines were deployed for it.
-    if attempt >= MAX_BIND_ATTEMPTS or row["request"]["binding"] == "node":
-        await conn.execute(
-            "UPDATE reservations SET bind_failures = %s WHERE id = %s", (attempt, row["id"])
-        )
-        await _fail(conn, row, reason=reason, message=message, kind=Condition.BIND_TIMEOUT)
-        return
-    # Release the bookings and place again, for what remains of the window.
-    await placing.unbook(conn, reservation_id=row["id"])
-    cond = states.condition(Condition.BIND_TIMEOUT, reason, message, at_ms=to_ms(now))
-    await conn.execute(
-        "UPDATE reservations SET bind_failures = %s, bind_deadline = NULL WHERE id = %s",
-        (attempt, row["id"]),
-    )
-    outcome = await _place(conn, row, start=now, end=row["end_at"], now=now)
-    if isinstance(outcome, placement.NoFit):
-        await admission.mark_pending(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            message=outcome.message,
-            now=now,
-            first=True,
-        )
-    await conn.execute(
-        "UPDATE reservations SET conditions = conditions || %s WHERE id = %s",
-        (jsonb([cond]), row["id"]),
-    )
-
-
-def _binding_view(row: Row, allocs: list[Row]) -> dict[str, Any]:
-    reports = [a["report"] or {} for a in allocs]
-    view: dict[str, Any] = {
-        "nodeId": allocs[0]["node_id"],
-        "nodeIds": [a["node_id"] for a in allocs],
-        "allocationIds": [a["id"] for a in allocs],
-        "cdiDevices": [d for r in reports for d in r.get("cdiDevices", [])],
-    }
-    env_files = [r["envFile"] for r in reports if r.get("envFile")]
-    if env_files:
-        view["envFile"] = env_files[0]
-        if len(env_files) > 1:
-            view["envFiles"] = env_files
-    return view
-
-
-async def _activate(conn: Conn, row: Row, allocs: list[Row]) -> None:
+async def _activate(conn: Conn, row: Row, step: lifecycle.Activate) -> None:
     await conn.execute(
         "UPDATE reservations SET state = 'active', binding = %s, conditions = %s,"
-        " version = version + 1, updated_at = compute_now() WHERE id = %s",
-        (
-            jsonb(_binding_view(row, allocs)),
-            jsonb(states.without(row["conditions"], Condition.BIND_TIMEOUT)),
-            row["id"],
-        ),
+        " version = version + 1, updated_at = compute_now() WHERE id = %s AND state = 'binding'",
+        (jsonb(dict(step.binding)), jsonb(list(step.conditions)), row["id"]),
     )
     await journal.emit(
         conn,
@@ -395,85 +349,4 @@ async def _activate(conn: Conn, row: Row, allocs: list[Row]) -> None:
         reservation_id=row["id"],
         data={"state": "active", "poolId": row["pool_id"]},
     )
-    now = await admission.current_time(conn)
-    await journal.wake(conn, reservation_id=row["id"], at=now + ACTIVE_RECHECK, why="recheck")
-
-
-async def _active(conn: Conn, row: Row, now: dt.datetime) -> None:
-    """While active, only set and clear conditions from nodes and atoms; never release."""
-    allocs = await _allocations(conn, row["id"])
-    lost = sorted(a["node_id"] for a in allocs if a["state"] == "lost")
-    health = await (
-        await conn.execute(
-            "SELECT array_agg(DISTINCT a.device_id ORDER BY a.device_id)"
-            "         FILTER (WHERE NOT a.healthy) AS unhealthy,"
-            "       array_agg(DISTINCT n.id ORDER BY n.id) FILTER (WHERE NOT n.connected)"
-            "         AS unreachable"
-            "  FROM bookings b JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id"
-            " WHERE b.reservation_id = %s",
-            (row["id"],),
-        )
-    ).fetchone()
-    unhealthy = (health or {}).get("unhealthy") or []
-    unreachable = (health or {}).get("unreachable") or []
-    at = to_ms(now)
-    kept = {c["type"]: c for c in row["conditions"]}
-    wanted: list[dict[str, Any]] = []
-    if lost:
-        wanted.append(
-            _keep(
-                kept,
-                states.condition(
-                    Condition.DEGRADED,
-                    Reason.BINDING_LOST,
-                    f"nodes reported lost devices: {', '.join(lost)}",
-                    at_ms=at,
-                ),
-            )
-        )
-    elif unhealthy:
-        wanted.append(
-            _keep(
-                kept,
-                states.condition(
-                    Condition.DEGRADED,
-                    Reason.ATOM_UNHEALTHY,
-                    f"unhealthy booked devices: {', '.join(unhealthy)}",
-                    at_ms=at,
-                ),
-            )
-        )
-    if unreachable:
-        wanted.append(
-            _keep(
-                kept,
-                states.condition(
-                    Condition.NODE_UNREACHABLE,
-                    Reason.UNREACHABLE,
-                    f"nodes not connected: {', '.join(unreachable)}",
-                    at_ms=at,
-                ),
-            )
-        )
-    others = [
-        c
-        for c in row["conditions"]
-        if c["type"] not in (Condition.DEGRADED, Condition.NODE_UNREACHABLE)
-    ]
-    conditions = others + wanted
-    if conditions != row["conditions"]:
-        binding = _binding_view(row, allocs) if allocs and not lost else row["binding"]
-        await conn.execute(
-            "UPDATE reservations SET conditions = %s, binding = %s, version = version + 1,"
-            " updated_at = compute_now() WHERE id = %s",
-            (jsonb(conditions), jsonb(binding), row["id"]),
-        )
-    await journal.wake(conn, reservation_id=row["id"], at=now + ACTIVE_RECHECK, why="recheck")
-
-
-def _keep(existing: Mapping[str, Mapping[str, Any]], new: dict[str, Any]) -> dict[str, Any]:
-    # A condition that still holds keeps its original ``since``.
-    old = existing.get(new["type"])
-    if old and old.get("reason") == new["reason"] and old.get("message") == new["message"]:
-        return dict(old)
-    return new
+    await journal.wake(conn, reservation_id=row["id"], at=step.recheck_at, why="recheck")

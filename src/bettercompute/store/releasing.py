@@ -13,7 +13,7 @@ from typing import Any
 
 from bettercompute.core import errors, states
 from bettercompute.core.states import State
-from bettercompute.store import admission, journal, locking
+from bettercompute.store import clock, journal, locking, quotas
 from bettercompute.store.database import Conn, Database, Row
 
 #: A release the node has not confirmed keeps its devices booked in steps of this, …
@@ -66,7 +66,7 @@ async def finish(
             (rid,),
         )
     ).fetchall()
-    await admission.refund_quota(conn, tenant_id=row["tenant_id"], charge=row["quota_charge"])
+    await quotas.refund(conn, tenant_id=row["tenant_id"], charge=row["quota_charge"])
     await conn.execute(
         "UPDATE reservations SET state = %s, release_reason = %s, released_at = compute_now(),"
         " during = CASE WHEN during IS NULL OR lower(during) >= %s THEN NULL"
@@ -99,7 +99,7 @@ async def finish(
 async def carry_held(conn: Conn, row: Row) -> None:
     """A released ``kubernetes`` reservation whose node has not confirmed the release: carry the
     booking of its still-releasing allocations another 5 minutes, up to 24 hours."""
-    now = await admission.current_time(conn)
+    now = await clock.current_time(conn)
     if await _carry(
         conn,
         reservation_id=row["id"],
@@ -145,7 +145,7 @@ async def release(db: Database, *, reservation_id: str, actor: str) -> None:
         state = State(row["state"])
         if state in states.TERMINAL or state in states.INTERNAL:
             return
-        now = await admission.current_time(conn)
+        now = await clock.current_time(conn)
         if state in (State.PENDING, State.AWAITING_CONFIRMATION):
             await finish(conn, row, now=now, reason="release", state=State.CANCELLED, actor=actor)
         else:
@@ -164,7 +164,7 @@ async def cancel(db: Database, *, reservation_id: str, actor: str) -> None:
                 f"only a pending or placed reservation can be cancelled; this one is {state.value}",
                 state=state.value,
             )
-        now = await admission.current_time(conn)
+        now = await clock.current_time(conn)
         await finish(conn, row, now=now, reason="cancel", state=State.CANCELLED, actor=actor)
 
 
@@ -183,7 +183,7 @@ async def renew(db: Database, *, reservation_id: str) -> None:
                 f"{state.value}",
                 state=state.value,
             )
-        now = await admission.current_time(conn)
+        now = await clock.current_time(conn)
         if row["lease_expires_at"] is not None and now >= row["lease_expires_at"]:
             # Lapsed, and the reconciler is about to release it: a renew cannot bring it back.
             raise errors.invalid_state(

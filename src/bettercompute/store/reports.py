@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core import errors
-from bettercompute.store import admission, journal, placing
+from bettercompute.store import clock, journal, placing
 from bettercompute.store.database import Database, jsonb
 
 REPORT_KINDS = ("bound", "failed", "releasing", "released")
@@ -61,7 +61,7 @@ async def report(
         )
         if new_state == "released" and alloc["state"] == "releasing":
             # The node confirmed its devices are free: end the held booking now.
-            now = await admission.current_time(conn)
+            now = await clock.current_time(conn)
             await conn.execute(
                 "DELETE FROM bookings WHERE allocation_id = %s AND lower(during) >= %s",
                 (allocation_id, now),

@@ -1,0 +1,41 @@
+"""Reading a pool as a tenant sees it: the pool's row and whether it is offered to the tenant.
+
+Why here: admission, previews, the reconciler and the service all judge a request against the
+same ``core.pools.PoolInfo``, built from one query. Never writes, never locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from bettercompute.core import pools
+from bettercompute.store.database import Conn
+
+_POOL = """
+    SELECT p.id, p.owner_tenant_id, p.region, p.gpu_model, p.sharing_mode, p.replicas,
+           p.archived, p.policy, o.tenant_id IS NOT NULL AS offered, o.on_budget_exceeded
+      FROM pools p LEFT JOIN offers o ON o.pool_id = p.id AND o.tenant_id = %s
+     WHERE p.id = %s
+"""
+
+
+async def read_pool(conn: Conn, *, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:
+    row = await (await conn.execute(_POOL, (tenant_id, pool_id))).fetchone()
+    return None if row is None else pool_info(row)
+
+
+def pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
+    """A ``PoolInfo`` from a row with the columns of ``_POOL`` (``bc_draft_begin`` has them)."""
+    return pools.PoolInfo(
+        id=row["id"],
+        owner_tenant_id=row["owner_tenant_id"],
+        region=row["region"],
+        gpu_model=row["gpu_model"],
+        sharing_mode=row["sharing_mode"],
+        replicas=row["replicas"],
+        archived=row["archived"],
+        policy=pools.PoolPolicy.stored(row["policy"]),
+        offered=row["offered"],
+        on_budget_exceeded=row["on_budget_exceeded"],
+    )
