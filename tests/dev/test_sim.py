@@ -12,13 +12,14 @@ import pytest
 
 from bettercompute.core import pools
 from bettercompute.dev import applying
-from bettercompute.deviceplugin import devicefiles
+from bettercompute.deviceplugin import devicefiles, signing
+from bettercompute.deviceplugin.converging import Converger
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
+from bettercompute.deviceplugin.inventory import FileInventory
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
-from bettercompute.sim import inventories
-from bettercompute.sim.binding import NodeAgent
+from bettercompute.sim import agents, inventories
 from bettercompute.store import inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller
@@ -184,8 +185,8 @@ def files_under(root: Path) -> list[Path]:
 
 def _agent(
     node: inventories.SimNode, root: Path, db: Database, service: ReservationService
-) -> NodeAgent:
-    return NodeAgent(node_id=node.id, root=root, desired=NodeService(db), reports=service)
+) -> Converger:
+    return agents.node_agent(node, root=root, desired=NodeService(db), reports=service)
 
 
 async def test_the_agent_binds_a_reservation_then_releases_it(
@@ -219,9 +220,13 @@ async def test_the_agent_binds_a_reservation_then_releases_it(
     cdi = tmp_path / "cdi" / f"bcd-{desired['allocationId']}.json"
     assert [d["name"] for d in json.loads(cdi.read_text())["devices"]] == desired["deviceIds"]
 
-    # A restarted agent finds everything in place and reports nothing.
+    # A restarted agent (a new process: nothing in memory) takes the allocation over from its
+    # files as they are, and the reservation stays active.
     again = await _agent(node, tmp_path, db, service).sync_once()
-    assert (again.bound, again.restored, again.removed) == ([], [], [])
+    assert (again.restored, again.removed, again.released) == ([], [], [])
+    await Reconciler(db).run_once()
+    got = await service.get(caller(), {"tenantId": "acme", "reservationId": created["id"]})
+    assert got["state"] == "active"
     # Files that went missing are put back, without a second report.
     devicefiles.DeviceFiles(tmp_path).env_path(desired["allocationId"]).unlink()
     healed = await agent.sync_once()
@@ -233,7 +238,8 @@ async def test_the_agent_binds_a_reservation_then_releases_it(
     assert releasing["state"] == "releasing"
     done = await agent.sync_once()
     assert done.released == [desired["allocationId"]]
-    assert files_under(tmp_path) == []
+    assert not list((tmp_path / "cdi").iterdir())
+    assert not list((tmp_path / "run" / "allocations").iterdir())
     assert await NodeService(db).desired(node.id) == []
     async with db.connection() as conn:
         row = await (
@@ -252,8 +258,11 @@ async def test_the_agent_removes_files_no_allocation_explains(
     agent = _agent(node, tmp_path, db, service)
     DeviceFiles(tmp_path).write(_allocation(allocation_id="alloc_gone"))
     outcome = await agent.sync_once()
-    assert outcome.removed == ["alloc_gone"]
-    assert files_under(tmp_path) == []
+    # Its files name devices of this node: taken over as releasing, then released (no pod
+    # holds a simulated device), and its files go.
+    assert outcome.released == ["alloc_gone"]
+    assert not list((tmp_path / "cdi").iterdir())
+    assert not list((tmp_path / "run" / "allocations").iterdir())
 
 
 async def test_another_nodes_agent_sees_nothing_of_this_node(
@@ -266,4 +275,66 @@ async def test_another_nodes_agent_sees_nothing_of_this_node(
     await Reconciler(db).run_once()
     outcome = await _agent(other, tmp_path, db, service).sync_once()
     assert outcome.bound == []
-    assert files_under(tmp_path) == []
+    assert not list((tmp_path / "cdi").glob("*"))
+
+
+class RecordingReports:
+    """The service's report call, with every report also kept for the test to read."""
+
+    def __init__(self, service: ReservationService) -> None:
+        self.service = service
+        self.seen: list[dict[str, Any]] = []
+
+    async def report(self, **kw: Any) -> bool:
+        self.seen.append(kw)
+        return await self.service.report(**kw)
+
+
+async def test_a_simulated_node_signs_its_reports_with_its_own_key(
+    db: Database, service: ReservationService, tmp_path: Path
+) -> None:
+    node = await _world(db)
+    reports = RecordingReports(service)
+    agent = agents.node_agent(node, root=tmp_path, desired=NodeService(db), reports=reports)
+    await service.create(caller(), CREATE)
+    await Reconciler(db).run_once()
+    assert (await agent.sync_once()).bound
+    [bound] = reports.seen
+    assert bound["kind"] == "bound"
+    key = signing.public_key_from_pem(signing.NodeKey.load(tmp_path / "node-key.pem").public_pem())
+    signed = signing.verify(signature=bound["details"]["signature"], public_key=key)
+    assert signed["nodeName"] == node.id
+    assert signed["allocationId"] == bound["allocation_id"]
+    assert signed["phase"] == "Bound"
+    # Another node's key does not verify it: the signature is this node's.
+    other = signing.NodeKey.generate()
+    with pytest.raises(signing.SignatureError):
+        signing.verify(signature=bound["details"]["signature"], public_key=other.public_key)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        {"mig": {"1g.10gb": 2, "3g.40gb": 1}},
+        {"slots": 4},
+        {"nvlink_domains": 0},
+    ],
+    ids=["whole GPUs", "MIG", "time-slice slots", "no NVLink"],
+)
+def test_the_inventory_file_a_simulated_node_writes_reads_back_as_its_devices(
+    shape: dict[str, Any], tmp_path: Path
+) -> None:
+    node = inventories.node(name="sim-a100-00", pool_id="p", model="A100", **shape)
+    path = agents.write_inventory(node, tmp_path / "inventory.json")
+    read = FileInventory(path=path, node_name=node.name).read()
+    assert [gpu.uuid for gpu in read.gpus] == list(node.gpus)
+    assert {m.uuid for gpu in read.gpus for m in gpu.mig} == {
+        a.device_id for a in node.atoms if a.kind == "mig"
+    }
+    # The agent's NVLink domains are the simulator's, under the same names.
+    sim_domains: dict[str, set[str]] = {}
+    for atom in node.atoms:
+        if atom.nvlink_domain is not None:
+            sim_domains.setdefault(atom.nvlink_domain, set()).add(atom.parent_gpu)
+    assert {k: set(v) for k, v in read.nvlink_domains.items()} == sim_domains

@@ -62,7 +62,7 @@ from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
-from bettercompute.sim.binding import NodeAgent
+from bettercompute.sim.agents import node_agent
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +277,8 @@ async def started(
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         node_service = NodeService(db)
         for node in nodes:
-            agent = NodeAgent(
-                node_id=node.id,
+            agent = node_agent(
+                node,
                 root=state / "nodes" / node.name,  # as Dev.node_root
                 desired=node_service,
                 reports=service,

@@ -4,9 +4,9 @@ Why: the guide's node side hands a hold to the workload manager as
 ``/etc/cdi/bcd-<allocation>.json`` (device names ``bcd.dev/gpu=<device id>``) and
 ``/run/bcd/allocations/<allocation>.env``. The
 device plugin owns these files: it writes them before it advertises an allocation's devices and
-removes them once no pod holds the devices any more. The simulator (``sim.binding``) writes the
-same two files under its own root, ``<root>/cdi/`` and ``<root>/run/allocations/``, so what a
-real node would expose can be inspected on a laptop.
+removes them once no pod holds the devices any more. A simulated node (``sim.agents``) runs the
+same agent with the two directories under its own root, ``<root>/cdi/`` and
+``<root>/run/allocations/``, so what a real node would expose can be inspected on a laptop.
 
 The CDI spec is self-describing: its annotations (``bcd.dev/allocation-id``, ``…/device-class``,
 ``…/binding``, …) carry everything needed to rebuild the allocation from disk after a restart, and

@@ -1,0 +1,173 @@
+"""Simulated nodes run the real node agent, in-process.
+
+Why: ``better-compute dev --sim N`` and the tests need reservations that really go
+``placed → binding → active → released`` without hardware, and they should exercise exactly
+what the DaemonSet runs. So each simulated node gets the device plugin's own ``Converger`` (the
+bind, release, restore and leftover rules, signed reports) over in-process ports instead of
+the Kubernetes API:
+
+- desired allocations: ``NodeService.desired`` turned into DeviceAllocation specs by the same
+  ``kube.allocations.allocation_spec`` the operator writes the objects with;
+- reports: the converger's DeviceAllocation ``status`` read by the same
+  ``kube.allocations.report`` the operator relays with, into ``ReservationService.report``;
+- the inventory: a file written from the simulated node (``inventory.json`` under the node's
+  root), read by the agent's ``FileInventory`` as on a node started with ``--inventory-file``;
+- the node key: ``node-key.pem`` under the node's root, created on first start;
+- pod holders: none (no kubelet in dev), so a release completes at once.
+
+What it must never do: decide anything itself (the converger does), write outside the node's
+root, or import the store: it sees the control plane through the service.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from bettercompute.deviceplugin.allocations import Allocations
+from bettercompute.deviceplugin.converging import Converger
+from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.inventory import (
+    FileInventory,
+    Gpu,
+    Inventory,
+    MigDevice,
+    inventory_document,
+)
+from bettercompute.deviceplugin.signing import NodeKey
+from bettercompute.kube import allocations
+from bettercompute.sim.inventories import SimNode
+
+#: How often a simulated node converges when nothing wakes it. A dev tool: a reservation
+#: should be active in well under a second, and a handful of nodes asking a local database
+#: costs nothing.
+PASS_SECONDS = 0.3
+#: What a simulated GPU reports as its memory (the placer does not look at it).
+SIMULATED_MEMORY_MIB = 81_559
+
+
+class DesiredState(Protocol):
+    """``service.nodes.NodeService``: the allocations a node should hold now."""
+
+    async def desired(self, node_id: str) -> list[dict[str, Any]]: ...
+
+
+class Reports(Protocol):
+    """``service.reservations.ReservationService``: a node's report on one allocation."""
+
+    async def report(
+        self, *, node_id: str, allocation_id: str, kind: str, details: Mapping[str, Any]
+    ) -> bool: ...
+
+
+class ServiceDesired:
+    """The converger's desired-allocations port over the service."""
+
+    def __init__(self, *, node_id: str, service: DesiredState) -> None:
+        self.node_id = node_id
+        self.service = service
+
+    async def desired(self) -> Sequence[Mapping[str, Any]]:
+        items = await self.service.desired(self.node_id)
+        return [allocations.allocation_spec(item, node=self.node_id) for item in items]
+
+
+class ServiceReporter:
+    """The converger's status port into the service, read as the operator reads a status."""
+
+    def __init__(self, *, service: Reports) -> None:
+        self.service = service
+
+    async def report(self, *, allocation_id: str, status: Mapping[str, Any]) -> None:
+        parsed = allocations.report(status)
+        if parsed is None:
+            return
+        kind, details = parsed
+        await self.service.report(
+            node_id=str(status["nodeName"]),
+            allocation_id=allocation_id,
+            kind=kind,
+            details=details,
+        )
+
+
+class NoPods:
+    """No kubelet in dev: no pod ever holds a simulated device."""
+
+    async def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]:
+        return []
+
+
+def inventory_of(node: SimNode) -> Inventory:
+    """The device plugin's inventory of a simulated node: its GPUs in index order, MIG
+    instances under their GPU, NVLink peers within each simulated domain."""
+    gpus = node.gpus
+    domain_of = {a.parent_gpu: a.nvlink_domain for a in node.atoms}
+    numa_of = {a.parent_gpu: a.numa_node for a in node.atoms}
+    migs: dict[str, list[MigDevice]] = {gpu: [] for gpu in gpus}
+    for atom in node.atoms:
+        if atom.kind == "mig" and atom.profile is not None:
+            migs[atom.parent_gpu].append(
+                MigDevice(uuid=atom.device_id, profile=atom.profile, parent_uuid=atom.parent_gpu)
+            )
+    return Inventory(
+        node_name=node.name,
+        gpus=tuple(
+            Gpu(
+                uuid=gpu,
+                index=index,
+                model=node.model or "simulated",
+                memory_mib=SIMULATED_MEMORY_MIB,
+                numa_node=numa_of[gpu],
+                nvlink_peers=tuple(
+                    peer
+                    for peer in gpus
+                    if peer != gpu
+                    and domain_of[gpu] is not None
+                    and domain_of[peer] == domain_of[gpu]
+                ),
+                mig=tuple(migs[gpu]),
+            )
+            for index, gpu in enumerate(gpus)
+        ),
+    )
+
+
+def write_inventory(node: SimNode, path: Path) -> Path:
+    """Write ``node``'s inventory file at ``path`` (atomically, and only when it changed)."""
+    document = json.dumps(inventory_document(inventory_of(node)), indent=2, sort_keys=True)
+    if not path.exists() or path.read_text(encoding="utf-8") != document:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(document, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+def node_agent(
+    node: SimNode,
+    *,
+    root: Path,
+    desired: DesiredState,
+    reports: Reports,
+    retry_on: tuple[type[Exception], ...] = (OSError,),
+    pass_seconds: float = PASS_SECONDS,
+) -> Converger:
+    """The real node agent's converger for ``node``, its files, inventory and key under
+    ``root``. Writes the inventory file (it is the simulated hardware) and creates the key on
+    first use; ``run()`` it, or ``sync_once()`` step by step."""
+    root.mkdir(parents=True, exist_ok=True)
+    inventory_file = write_inventory(node, root / "inventory.json")
+    return Converger(
+        node_name=node.id,
+        allocations=Allocations(),
+        files=DeviceFiles(root),
+        inventory_source=FileInventory(path=inventory_file, node_name=node.name),
+        pods=NoPods(),
+        desired=ServiceDesired(node_id=node.id, service=desired),
+        reporter=ServiceReporter(service=reports),
+        key=NodeKey.load_or_create(root / "node-key.pem"),
+        pass_seconds=pass_seconds,
+        retry_on=retry_on,
+    )
