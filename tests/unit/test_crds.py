@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from bettercompute.core import pools, requests
 from bettercompute.core.errors import ComputeError
+from bettercompute.kube import allocations, nodes
 from tests.support import crdschema
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
@@ -886,3 +887,21 @@ def test_what_the_dev_config_refuses_in_a_policy_the_crd_refuses(crds, policy, p
         changed(gpupool(), {"spec.policy": policy}), schema(crds, "GPUPool")
     )
     assert [e for e in errors if e.startswith(f"{path}: ")], errors
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "model"),
+    [
+        ("DeviceAllocation", "spec", allocations.AllocationSpec),
+        ("DeviceAllocation", "status", allocations.AllocationStatus),
+        ("GPUNode", "status", nodes.GpuNodeStatus),
+    ],
+)
+def test_the_shapes_the_operator_and_the_node_agent_share_mirror_the_crds(crds, kind, path, model):
+    # The operator writes a DeviceAllocation's spec and reads its status and a GPUNode's status
+    # with these models, and the node agent the other way round: a field, a bound or a required
+    # key on one side only is an object one program writes and the API server or the other
+    # program refuses.
+    crd = crd_shape(node_at(schema(crds, kind), path), path)
+    found = differences(shape_of(model, path), crd, path)
+    assert not found, "\n".join(found)

@@ -4,12 +4,13 @@ webhook verdicts. Table-driven; no cluster, no database."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from bettercompute.core import pools
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.kube import allocations, names
+from bettercompute.kube import allocations, names, nodes
 from bettercompute.operator import definitions, statuses, webhooks
 
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
@@ -22,6 +23,7 @@ def _gpunode_status(*, ready: bool = True, mig: bool = False) -> dict:
             "uuid": uuid,
             "index": i,
             "model": "H100",
+            "memoryMiB": 81559,
             "numaNode": i,
             "nvlinkDomain": "n1-nvl0",
             "healthy": i == 0,
@@ -177,12 +179,14 @@ def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node()
         "tenantId": "acme",
         "state": "releasing",
         "binding": "kubernetes",
-        "deviceClass": "gpu",
+        "class": "gpu",
         "deviceIds": [GPU_A],
         "parentGpus": [GPU_A],
         "until": 123,
     }
-    manifest = allocations.allocation_manifest(item, node="n1", namespace="bc")
+    spec = allocations.allocation_spec(item, node="n1")
+    assert spec["nodeName"] == "n1"
+    manifest = allocations.allocation_manifest(spec, namespace="bc")
     assert manifest["metadata"]["name"] == "alloc-01abc"
     assert manifest["metadata"]["labels"] == {
         names.NODE_LABEL: "n1",
@@ -205,12 +209,61 @@ def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node()
             ("releasing", {"pods": ["ml/p"], "since": 5}),
         ),
         ({"phase": "Released"}, ("released", {})),
-        ({"phase": "Whatever"}, None),
         ({}, None),
+        ({"nodeName": "n1", "reportedAt": "2026-12-03T00:00:00Z"}, None),
     ],
 )
 def test_node_reports(status, expected):
     assert allocations.report(status) == expected
+
+
+@pytest.mark.parametrize(
+    ("status", "field"),
+    [
+        ({"phase": "Whatever"}, "status.phase"),
+        ({"phase": "Bound", "cdiDevices": "bcd.dev/gpu=G"}, "status.cdiDevices"),
+        ({"phase": "Releasing", "since": "yesterday"}, "status.since"),
+        ({"phase": "Bound", "signature": "forged"}, "status.signature"),
+        ([], "status"),
+    ],
+)
+def test_a_status_of_another_shape_is_refused_naming_the_field(status, field):
+    with pytest.raises(allocations.ShapeError) as refused:
+        allocations.report(status)
+    assert str(refused.value).startswith(f"{field}:"), str(refused.value)
+
+
+def test_an_allocation_spec_the_crd_would_refuse_is_never_written():
+    row = {
+        "allocationId": "alloc_1",
+        "reservationId": "rsv_x",
+        "tenantId": "acme",
+        "state": "desired",
+        "binding": None,
+        "class": "gpu",
+        "deviceIds": [],
+        "parentGpus": [],
+        "until": 1,
+    }
+    with pytest.raises(ValueError, match="deviceIds"):
+        allocations.allocation_spec(row, node="n1")
+    assert allocations.allocation_spec({**row, "deviceIds": [GPU_A]}, node="n1")["binding"] == (
+        "hold"
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "field"),
+    [
+        ({"inventory": {"gpus": [{"uuid": "G", "index": 0, "model": "H100"}]}}, "memoryMiB"),
+        ({"inventory": {"gpus": [{"index": 0, "model": "H100", "memoryMiB": 1}]}}, "uuid"),
+        ({"conditions": [{"type": "Ready", "status": "Yes"}]}, "status.conditions[0].status"),
+        ({"inventory": {"gpus": "eight"}}, "status.inventory.gpus"),
+    ],
+)
+def test_a_gpunode_status_of_another_shape_is_refused_naming_the_field(status, field):
+    with pytest.raises(nodes.StatusError, match=re.escape(field)):
+        definitions.node_spec("n1", labels={}, status=status, pool=None)
 
 
 VIEW = {

@@ -88,24 +88,6 @@ class Allocation:
         _check(self)
 
     @classmethod
-    def from_desired(cls, item: Mapping[str, Any]) -> Allocation:
-        """From one item of ``NodeService.desired`` (the simulator's shape)."""
-        return _build(
-            item,
-            fields={
-                "allocation_id": "allocationId",
-                "reservation_id": "reservationId",
-                "tenant_id": "tenantId",
-                "device_class": "deviceClass",
-                "device_ids": "deviceIds",
-                "parent_gpus": "parentGpus",
-                "until_ms": "until",
-                "binding": "binding",
-            },
-            where="",
-        )
-
-    @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Allocation:
         """From a DeviceAllocation's ``spec`` (docs/kubernetes.md); errors name ``spec.<field>``."""
         return _build(

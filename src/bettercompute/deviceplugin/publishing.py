@@ -41,6 +41,7 @@ from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.cluster import ClusterClient, ClusterError
 from bettercompute.deviceplugin.inventory import Inventory
 from bettercompute.deviceplugin.watching import Backoff
+from bettercompute.kube import nodes
 from bettercompute.kube.names import API_VERSION
 
 log = logging.getLogger(__name__)
@@ -66,47 +67,50 @@ def gpunode_status(
     message: str = "",
     ready_since: str,
 ) -> dict[str, Any]:
-    """The GPUNode ``status`` for ``inventory`` (docs/kubernetes.md)."""
+    """The GPUNode ``status`` for ``inventory``, in the shared ``kube.nodes`` shape."""
     domain_of = {
         uuid: domain for domain, uuids in inventory.nvlink_domains.items() for uuid in uuids
     }
-    gpus = [
-        {
-            "uuid": gpu.uuid,
-            "index": gpu.index,
-            "model": gpu.model,
-            "memoryMiB": gpu.memory_mib,
-            "numaNode": gpu.numa_node,
-            "nvlinkDomain": domain_of.get(gpu.uuid),
-            "healthy": gpu.healthy,
-            # A MIG instance is as healthy as its GPU: NVML reports health per GPU.
-            "mig": [
-                {"uuid": m.uuid, "profile": m.profile, "healthy": gpu.healthy} for m in gpu.mig
-            ],
-        }
-        for gpu in inventory.gpus
-    ]
     numa = sorted({gpu.numa_node for gpu in inventory.gpus if gpu.numa_node is not None})
-    host = {"vcpu": inventory.vcpu, "memoryGiB": inventory.memory_gib}
-    return {
-        "inventory": {
-            "gpus": gpus,
-            "numaNodes": [{"id": n} for n in numa] or None,
-            "host": {k: v for k, v in host.items() if v is not None} or None,
-        },
-        "gpus": len(gpus),
-        "capabilities": list(capabilities),
-        "heartbeatTime": heartbeat,
-        "conditions": [
-            {
-                "type": "Ready",
-                "status": "True" if ready else "False",
-                "reason": reason,
-                "message": message,
-                "lastTransitionTime": ready_since,
-            }
+    has_host = inventory.vcpu is not None or inventory.memory_gib is not None
+    status = nodes.GpuNodeStatus(
+        inventory=nodes.NodeInventory(
+            gpus=[
+                nodes.GpuEntry(
+                    uuid=gpu.uuid,
+                    index=gpu.index,
+                    model=gpu.model,
+                    memoryMiB=gpu.memory_mib,
+                    numaNode=gpu.numa_node,
+                    nvlinkDomain=domain_of.get(gpu.uuid),
+                    healthy=gpu.healthy,
+                    # A MIG instance is as healthy as its GPU: NVML reports health per GPU.
+                    mig=[
+                        nodes.MigEntry(uuid=m.uuid, profile=m.profile, healthy=gpu.healthy)
+                        for m in gpu.mig
+                    ],
+                )
+                for gpu in inventory.gpus
+            ],
+            numaNodes=[nodes.NumaNode(id=n) for n in numa] or None,
+            host=nodes.Host(vcpu=inventory.vcpu, memoryGiB=inventory.memory_gib)
+            if has_host
+            else None,
+        ),
+        gpus=len(inventory.gpus),
+        capabilities=list(capabilities),
+        heartbeatTime=heartbeat,
+        conditions=[
+            nodes.Condition(
+                type="Ready",
+                status="True" if ready else "False",
+                reason=reason,
+                message=message,
+                lastTransitionTime=ready_since,
+            )
         ],
-    }
+    )
+    return status.document()
 
 
 def parse_labels(text: str) -> dict[str, str]:

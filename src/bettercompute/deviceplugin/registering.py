@@ -3,7 +3,7 @@
 Why it exists: the kubelet only dials a plugin that called ``v1beta1.Registration/Register`` on
 its ``kubelet.sock``, and forgets every plugin when it restarts. On startup the kubelet deletes
 each socket in the device-plugin directory and then creates ``kubelet.sock`` again
-(shared/reference/kubelet-device-plugin-protocol.md §3.8). ``Registrar.run`` therefore polls
+(the kubelet's device plugin registration protocol). ``Registrar.run`` therefore polls
 every 100 ms (plain ``stat`` calls, no inotify, so it works on any filesystem and in any
 container): a plugin socket that is gone or replaced is served again, and a ``kubelet.sock`` with
 a new identity (inode, change time) is registered with again, each resource once, well within a

@@ -2,7 +2,7 @@
 
 Why it exists: the kubelet learns which ``bcd.dev/gpu``, ``bcd.dev/gpu.mig`` and
 ``bcd.dev/gpu.slot`` devices this node has, and asks for them at pod admission, only through
-this protocol (shared/reference/kubelet-device-plugin-protocol.md). ``registering`` tells the
+this protocol (the kubelet's device plugin API, v1beta1). ``registering`` tells the
 kubelet where the sockets are; ``converging`` changes ``allocations.Allocations``, which these
 servers read.
 

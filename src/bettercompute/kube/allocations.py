@@ -1,17 +1,94 @@
 """DeviceAllocation objects: a node's desired allocation in, its report out.
 
-Why here: the operator builds these objects from the service's desired allocations and relays
+Why here: the operator writes these objects from the service's desired allocations and relays
 their ``status`` back; the node agent reads the ``spec`` and writes the ``status``; ``dev`` runs
-the node agent in-process on the same shapes. Pure functions, tested table by table. Nothing here
-does I/O or reads a clock.
+the node agent in-process on the same shapes. The models are spelled as the CRD spells them
+(``crds/deviceallocations.yaml``; a test compares them field by field), ``class`` as in a
+Reservation's ``devices``. A status is input from a node: ``report`` parses it and a bad one
+raises ``ShapeError`` naming the field.
+
+What it must never do: I/O, read a clock, or import kopf or either program.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from bettercompute.core import validation
 from bettercompute.kube import names
+
+
+class ShapeError(ValueError):
+    """An object that does not have the CRD's shape; the message names the field."""
+
+
+class _Written(BaseModel):
+    """What the operator writes: exactly the CRD's fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class _Read(BaseModel):
+    """What a node writes: the known fields checked, newer ones ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+#: GPU UUIDs, MIG UUIDs or slot ids.
+DeviceId = Annotated[str, Field(min_length=1)]
+
+
+class Limits(_Written):
+    cpuMillis: int | None = Field(default=None, ge=0)
+    memoryBytes: int | None = Field(default=None, ge=0)
+    hugepages1Gi: int | None = Field(default=None, ge=0)
+
+
+class AllocationSpec(_Written):
+    """A DeviceAllocation's ``spec``: one allocation of a reservation on one node."""
+
+    allocationId: str = Field(min_length=1, max_length=128)
+    nodeName: str = Field(min_length=1, max_length=253)
+    reservationId: str = Field(min_length=1, max_length=128)
+    tenantId: str = Field(min_length=1, max_length=128)
+    device_class: Literal["gpu", "mig", "slot"] = Field(alias="class")
+    binding: Literal["hold", "kubernetes"]
+    deviceIds: list[DeviceId] = Field(min_length=1)
+    parentGpus: list[DeviceId]
+    until: int = Field(ge=0)
+    limits: Limits | None = None
+    release: bool = False
+
+    def document(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Signature(_Read):
+    keyId: str | None = None
+    algorithm: str | None = None
+    payload: str | None = None
+    value: str | None = None
+
+
+Phase = Literal["Bound", "Failed", "Releasing", "Released"]
+
+
+class AllocationStatus(_Read):
+    """A DeviceAllocation's ``status``, written by the allocation's node."""
+
+    nodeName: str | None = None
+    phase: Phase | None = None
+    cdiDevices: list[str] = Field(default_factory=list)
+    envFile: str | None = None
+    reason: str | None = None
+    pods: list[str] = Field(default_factory=list)
+    since: int | None = None
+    reportedAt: str | None = None
+    signature: Signature | None = None
 
 
 def allocation_name(allocation_id: str) -> str:
@@ -19,35 +96,37 @@ def allocation_name(allocation_id: str) -> str:
     return allocation_id.replace("_", "-").lower()
 
 
-def allocation_manifest(item: Mapping[str, Any], *, node: str, namespace: str) -> dict[str, Any]:
-    """The ``DeviceAllocation`` for one of a node's desired allocations."""
+def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
+    """The ``spec`` for one of ``node``'s desired allocations (a row of
+    ``store.desired.for_node``: its ``state`` says whether it is being released)."""
+    return AllocationSpec(
+        allocationId=row["allocationId"],
+        nodeName=node,
+        reservationId=row["reservationId"],
+        tenantId=row["tenantId"],
+        device_class=row["class"],
+        binding=row["binding"] or "hold",
+        deviceIds=list(row["deviceIds"]),
+        parentGpus=list(row["parentGpus"]),
+        until=int(row["until"]),
+        release=row["state"] == "releasing",
+    ).document()
+
+
+def allocation_manifest(spec: Mapping[str, Any], *, namespace: str) -> dict[str, Any]:
+    """The ``DeviceAllocation`` object for a ``spec`` built by ``allocation_spec``."""
     return {
         "apiVersion": names.API_VERSION,
         "kind": "DeviceAllocation",
         "metadata": {
-            "name": allocation_name(item["allocationId"]),
+            "name": allocation_name(spec["allocationId"]),
             "namespace": namespace,
             "labels": {
-                names.NODE_LABEL: node,
-                names.RESERVATION_LABEL: item["reservationId"],
+                names.NODE_LABEL: spec["nodeName"],
+                names.RESERVATION_LABEL: spec["reservationId"],
             },
         },
-        "spec": allocation_spec(item, node=node),
-    }
-
-
-def allocation_spec(item: Mapping[str, Any], *, node: str) -> dict[str, Any]:
-    return {
-        "allocationId": item["allocationId"],
-        "nodeName": node,
-        "reservationId": item["reservationId"],
-        "tenantId": item["tenantId"],
-        "class": item["deviceClass"],
-        "binding": item["binding"] or "hold",
-        "deviceIds": list(item["deviceIds"]),
-        "parentGpus": list(item["parentGpus"]),
-        "until": int(item["until"]),
-        "release": item["state"] == "releasing",
+        "spec": dict(spec),
     }
 
 
@@ -60,22 +139,33 @@ REPORT_KINDS = {
 }
 
 
-def report(status: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """(kind, details) of a node's report in a DeviceAllocation's status; ``None`` if none."""
-    kind = REPORT_KINDS.get(str(status.get("phase") or ""))
-    if kind is None:
+def parse_status(raw: object) -> AllocationStatus:
+    """A node's status, checked; ``ShapeError`` names the first bad field."""
+    try:
+        return AllocationStatus.model_validate(raw if raw is not None else {})
+    except pydantic.ValidationError as e:
+        loc, reason = validation.first_problem(e, AllocationStatus)
+        raise ShapeError(f"{validation.path(loc, under='status')}: {reason}") from e
+
+
+def report(raw: object) -> tuple[str, dict[str, Any]] | None:
+    """(kind, details) of a node's report in a DeviceAllocation's status; ``None`` if it says
+    nothing yet. ``ShapeError`` when the status does not have the CRD's shape."""
+    status = parse_status(raw)
+    if status.phase is None:
         return None
+    kind = REPORT_KINDS[status.phase]
     details: dict[str, Any] = {}
     if kind == "bound":
-        details["cdiDevices"] = list(status.get("cdiDevices") or ())
-        if status.get("envFile"):
-            details["envFile"] = status["envFile"]
+        details["cdiDevices"] = list(status.cdiDevices)
+        if status.envFile:
+            details["envFile"] = status.envFile
     if kind == "failed":
-        details["reason"] = str(status.get("reason") or "the node did not say why")
+        details["reason"] = status.reason or "the node did not say why"
     if kind == "releasing":
-        details["pods"] = list(status.get("pods") or ())
-        if status.get("since") is not None:
-            details["since"] = status["since"]
-    if status.get("signature"):
-        details["signature"] = dict(status["signature"])
+        details["pods"] = list(status.pods)
+        if status.since is not None:
+            details["since"] = status.since
+    if status.signature is not None:
+        details["signature"] = status.signature.model_dump(exclude_none=True)
     return kind, details

@@ -54,6 +54,8 @@ class AllocationSync:
         self._dirty_nodes: set[str] = set()
         self._wake = asyncio.Event()
         self._relayed: dict[str, tuple[str, str]] = {}
+        # The last shape error logged per allocation, so a bad status is logged once.
+        self._malformed: dict[str, str] = {}
 
     def mark_reservation(self, rid: str) -> None:
         self._dirty_reservations.add(rid)
@@ -65,7 +67,7 @@ class AllocationSync:
 
     async def sync_node(self, node: str) -> None:
         """Make ``node``'s DeviceAllocations exactly its desired allocations."""
-        desired = {item["allocationId"]: item for item in await self.nodes.desired(node)}
+        desired = {spec["allocationId"]: spec for spec in await self.nodes.desired(node)}
         existing = {
             (obj.get("spec") or {}).get("allocationId"): obj
             for obj in await self.kube.list(
@@ -74,14 +76,11 @@ class AllocationSync:
                 label_selector=f"{names.NODE_LABEL}={node}",
             )
         }
-        for allocation_id, item in desired.items():
+        for allocation_id, spec in desired.items():
             obj = existing.get(allocation_id)
             if obj is None:
-                await self._create(
-                    allocations.allocation_manifest(item, node=node, namespace=self.namespace)
-                )
+                await self._create(allocations.allocation_manifest(spec, namespace=self.namespace))
                 continue
-            spec = allocations.allocation_spec(item, node=node)
             if {k: (obj.get("spec") or {}).get(k) for k in spec} != spec:
                 await self.kube.patch(
                     resources.DEVICE_ALLOCATIONS,
@@ -97,6 +96,7 @@ class AllocationSync:
                     namespace=self.namespace,
                 )
                 self._relayed.pop(str(allocation_id), None)
+                self._malformed.pop(str(allocation_id), None)
 
     async def _create(self, manifest: Mapping[str, Any]) -> None:
         try:
@@ -110,8 +110,14 @@ class AllocationSync:
         accepted (so its status can be re-projected), else ``None``."""
         spec = body.get("spec") or {}
         status = body.get("status") or {}
-        parsed = allocations.report(status)
         allocation_id = spec.get("allocationId")
+        try:
+            parsed = allocations.report(status)
+        except allocations.ShapeError as e:
+            if self._malformed.get(str(allocation_id)) != str(e):
+                log.warning("DeviceAllocation %s: ignoring its status: %s", allocation_id, e)
+                self._malformed[str(allocation_id)] = str(e)
+            return None
         reporter = status.get("nodeName")
         if parsed is None or not allocation_id or not reporter:
             return None

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from bettercompute.core import errors, pools, ports, validation
 from bettercompute.core.inventories import AtomSpec, NodeSpec
 from bettercompute.core.pools import PoolDefinition
-from bettercompute.kube import names
+from bettercompute.kube import names, nodes
 
 # --- Reservations -------------------------------------------------------------------------------
 
@@ -135,29 +135,36 @@ def node_spec(
     name: str,
     *,
     labels: Mapping[str, str],
-    status: Mapping[str, Any],
+    status: Mapping[str, Any] | nodes.GpuNodeStatus,
     pool: PoolDefinition | None,
     now_s: float | None = None,
 ) -> NodeSpec:
-    """The node's bookable atoms for the pool that takes it (none without a pool)."""
-    inventory = status.get("inventory") or {}
+    """The node's bookable atoms for the pool that takes it (none without a pool).
+
+    ``status`` is what the node's agent wrote; one that does not have the GPUNode shape raises
+    ``kube.nodes.StatusError`` naming the field (the caller says so and books nothing on it).
+    """
+    parsed = status if isinstance(status, nodes.GpuNodeStatus) else nodes.parse_status(status)
     atoms: list[AtomSpec] = []
     if pool is not None:
-        atoms = _atoms(inventory.get("gpus") or (), name=name, pool=pool)
+        atoms = _atoms(parsed.inventory.gpus, pool=pool)
     node_labels = {key: (value, "operator") for key, value in labels.items()}
-    for capability in status.get("capabilities") or ():
+    for capability in parsed.capabilities:
         label = _CAPABILITY_LABELS.get(capability)
         if label is not None:
             node_labels[label] = ("true", "system")
+    host = parsed.inventory.host
     return NodeSpec(
         id=name,
         name=name,
         pool_id=pool.pool_id if pool is not None else None,
         atoms=atoms,
         labels=node_labels,
-        ready=_ready(status),
-        connected=_ready(status) and _fresh(status, now_s=now_s),
-        resources={k: v for k, v in (inventory.get("host") or {}).items() if v is not None},
+        ready=parsed.ready,
+        connected=parsed.ready and _fresh(parsed, now_s=now_s),
+        resources={}
+        if host is None
+        else {k: v for k, v in host.model_dump().items() if v is not None},
     )
 
 
@@ -172,10 +179,10 @@ _CAPABILITY_LABELS = {
 STALE_AFTER_S = 90.0
 
 
-def _fresh(status: Mapping[str, Any], *, now_s: float | None) -> bool:
+def _fresh(status: nodes.GpuNodeStatus, *, now_s: float | None) -> bool:
     """The agent's last heartbeat is recent (a status without one, or no clock, counts as
     fresh: an agent that never heartbeats is judged by its Ready condition alone)."""
-    beat = status.get("heartbeatTime")
+    beat = status.heartbeatTime
     if now_s is None or not beat:
         return True
     try:
@@ -185,32 +192,22 @@ def _fresh(status: Mapping[str, Any], *, now_s: float | None) -> bool:
     return now_s - at <= STALE_AFTER_S
 
 
-def _ready(status: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or ()
-    )
-
-
-def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition) -> list[AtomSpec]:
+def _atoms(gpus: Sequence[nodes.GpuEntry], *, pool: PoolDefinition) -> list[AtomSpec]:
     atoms: list[AtomSpec] = []
     for gpu in gpus:
-        uuid = str(gpu["uuid"])
-        healthy = bool(gpu.get("healthy", True))
-        numa = gpu.get("numaNode")
-        domain = gpu.get("nvlinkDomain")
+        uuid, numa, domain = gpu.uuid, gpu.numaNode, gpu.nvlinkDomain
         if pool.pool.sharing == "mig":
             atoms.extend(
                 AtomSpec(
-                    device_id=str(m["uuid"]),
+                    device_id=m.uuid,
                     kind="mig",
                     parent_gpu=uuid,
-                    profile=m.get("profile"),
+                    profile=m.profile,
                     numa_node=numa,
                     nvlink_domain=domain,
-                    healthy=healthy and bool(m.get("healthy", True)),
+                    healthy=gpu.healthy and m.healthy,
                 )
-                for m in gpu.get("mig") or ()
+                for m in gpu.mig
             )
         elif pool.pool.sharing in pools.SLOT_SHARING:
             atoms.extend(
@@ -220,7 +217,7 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
                     parent_gpu=uuid,
                     numa_node=numa,
                     nvlink_domain=domain,
-                    healthy=healthy,
+                    healthy=gpu.healthy,
                 )
                 for k in range(pool.pool.replicas)
             )
@@ -232,7 +229,7 @@ def _atoms(gpus: Sequence[Mapping[str, Any]], *, name: str, pool: PoolDefinition
                     parent_gpu=uuid,
                     numa_node=numa,
                     nvlink_domain=domain,
-                    healthy=healthy,
+                    healthy=gpu.healthy,
                 )
             )
     return atoms

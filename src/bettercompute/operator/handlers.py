@@ -15,6 +15,7 @@ handlers call, which are tested without kopf.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ import kopf
 
 from bettercompute.core.errors import ComputeError
 from bettercompute.kube import names
+from bettercompute.kube.nodes import StatusError
 from bettercompute.operator import definitions, resources, webhooks
 from bettercompute.operator.runtime import Runtime
 
@@ -242,7 +244,18 @@ async def _apply_node(
         # The GPUNode's event may come before the GPUPool's handler wrote the pool.
         await runtime.clusters.apply_pool(pool)
         runtime.applied_pools.add(pool.pool_id)
-    spec = definitions.node_spec(name, labels=labels, status=status, pool=pool, now_s=time.time())
+    try:
+        spec = definitions.node_spec(
+            name, labels=labels, status=status, pool=pool, now_s=time.time()
+        )
+    except StatusError as e:
+        # A node whose agent wrote a status of another shape takes no new work until it writes
+        # a good one; its bookings stay.
+        log.warning("GPUNode %s: %s; the node takes no new work until its agent fixes it", name, e)
+        last = runtime.applied_nodes.get(name)
+        if last is None:
+            return
+        spec = dataclasses.replace(last, ready=False, connected=False)
     if runtime.applied_nodes.get(name) != spec:
         await runtime.clusters.apply_node(spec)
         runtime.applied_nodes[name] = spec

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bettercompute.kube import allocations
 from bettercompute.store import desired
 from bettercompute.store.database import Database
 
@@ -21,9 +22,11 @@ class NodeService:
         self.db = db
 
     async def desired(self, node_id: str) -> list[dict[str, Any]]:
-        """The node's allocations to bind (``desired``, ``lost``), keep (``bound``) and free
-        (``releasing``); see ``store.desired.for_node`` for the shape."""
-        return await desired.for_node(self.db, node_id=node_id)
+        """The node's allocations to bind or keep, and those to free (``release: true``), as
+        DeviceAllocation ``spec``s (``kube.allocations.AllocationSpec``): the operator writes
+        them as objects, a simulated node hands them to its agent as they are."""
+        rows = await desired.for_node(self.db, node_id=node_id)
+        return [allocations.allocation_spec(row, node=node_id) for row in rows]
 
     async def nodes_of(self, reservation_id: str) -> list[str]:
         """The nodes ``reservation_id`` has allocations on."""

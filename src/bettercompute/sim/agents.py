@@ -6,8 +6,8 @@ what the DaemonSet runs. So each simulated node gets the device plugin's own ``C
 bind, release, restore and leftover rules, signed reports) over in-process ports instead of
 the Kubernetes API:
 
-- desired allocations: ``NodeService.desired`` turned into DeviceAllocation specs by the same
-  ``kube.allocations.allocation_spec`` the operator writes the objects with;
+- desired allocations: ``NodeService.desired``, the DeviceAllocation specs the operator writes
+  as objects;
 - reports: the converger's DeviceAllocation ``status`` read by the same
   ``kube.allocations.report`` the operator relays with, into ``ReservationService.report``;
 - the inventory: a file written from the simulated node (``inventory.json`` under the node's
@@ -70,8 +70,7 @@ class ServiceDesired:
         self.service = service
 
     async def desired(self) -> Sequence[Mapping[str, Any]]:
-        items = await self.service.desired(self.node_id)
-        return [allocations.allocation_spec(item, node=self.node_id) for item in items]
+        return await self.service.desired(self.node_id)
 
 
 class ServiceReporter:

@@ -23,7 +23,7 @@ NODE_STATES = ("desired", "bound", "lost", "releasing")
 async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     """The allocations of ``node_id`` in ``NODE_STATES``, oldest first.
 
-    Each is ``{allocationId, reservationId, tenantId, state, binding, deviceClass, deviceIds,
+    Each is ``{allocationId, reservationId, tenantId, state, binding, class, deviceIds,
     parentGpus, until}``: ``parentGpus`` gives each device's physical GPU in ``deviceIds``
     order (the same id for a whole GPU), ``until`` is epoch milliseconds.
     """
@@ -50,7 +50,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "tenantId": row["tenant_id"],
             "state": row["state"],
             "binding": row["binding"],
-            "deviceClass": row["device_class"],
+            "class": row["device_class"],
             "deviceIds": list(row["device_ids"]),
             "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],
             "until": int(row["until_ms"]),

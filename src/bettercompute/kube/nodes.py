@@ -1,0 +1,109 @@
+"""A GPUNode's ``status``: what a node agent says about its node, and how the operator reads it.
+
+Why here: the node agent writes this status (``deviceplugin.publishing``) and the operator turns
+it into bookable atoms (``operator.definitions.node_spec``). One model, spelled as the CRD
+spells it (``crds/gpunodes.yaml``, checked field by field by a test), so the writer and the
+reader cannot drift. A status is input from a node: the operator parses it with
+``parse_status``, whose error names the field and the reason, never a ``KeyError``.
+
+What it must never do: I/O, read a clock, or import kopf or either program.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from bettercompute.core import validation
+
+
+class _Status(BaseModel):
+    # A node agent newer than the operator may say more: unknown fields are ignored, the
+    # known ones are checked.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class MigEntry(_Status):
+    uuid: str = Field(min_length=1)
+    profile: str = Field(min_length=1)
+    healthy: bool = True
+
+
+class GpuEntry(_Status):
+    uuid: str = Field(min_length=1)
+    index: int = Field(ge=0)
+    model: str = Field(min_length=1)
+    memoryMiB: int = Field(ge=1)
+    numaNode: int | None = Field(default=None, ge=0)
+    nvlinkDomain: str | None = None
+    healthy: bool = True
+    mig: list[MigEntry] = Field(default_factory=list)
+
+
+class NumaNode(_Status):
+    id: int = Field(ge=0)
+    cpus: str | None = None  # a cpulist, such as 0-63
+    memoryGiB: int | None = Field(default=None, ge=0)
+
+
+class Host(_Status):
+    vcpu: int | None = Field(default=None, ge=0)
+    memoryGiB: int | None = Field(default=None, ge=0)
+    hugepages1Gi: int | None = Field(default=None, ge=0)
+
+
+class NodeInventory(_Status):
+    gpus: list[GpuEntry] = Field(default_factory=list)
+    numaNodes: list[NumaNode] | None = None
+    host: Host | None = None
+
+
+class Condition(_Status):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    lastTransitionTime: str | None = None
+
+
+class GpuNodeStatus(_Status):
+    inventory: NodeInventory = Field(default_factory=NodeInventory)
+    gpus: int = Field(default=0, ge=0)
+    capabilities: list[str] = Field(default_factory=list)
+    heartbeatTime: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return any(c.type == "Ready" and c.status == "True" for c in self.conditions)
+
+    def document(self) -> dict[str, Any]:
+        """The status as the node writes it, for a merge patch: every field, ``None`` included
+        (a ``None`` removes what an older agent wrote), except inside the host block and the
+        NUMA nodes, which name only what the node knows (the CRD does not let them be null)."""
+        document = self.model_dump(mode="json")
+        inventory = document["inventory"]
+        if inventory["host"] is not None:
+            inventory["host"] = _known(inventory["host"])
+        if inventory["numaNodes"] is not None:
+            inventory["numaNodes"] = [_known(n) for n in inventory["numaNodes"]]
+        return document
+
+
+def _known(block: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in block.items() if v is not None}
+
+
+class StatusError(ValueError):
+    """A GPUNode status that does not have the CRD's shape; the message names the field."""
+
+
+def parse_status(raw: object) -> GpuNodeStatus:
+    """The status a node wrote, checked; ``StatusError`` names the first bad field."""
+    try:
+        return GpuNodeStatus.model_validate(raw if raw is not None else {})
+    except pydantic.ValidationError as e:
+        loc, reason = validation.first_problem(e, GpuNodeStatus)
+        raise StatusError(f"{validation.path(loc, under='status')}: {reason}") from e
