@@ -10,7 +10,8 @@ import pytest
 
 from bettercompute.core import pools
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.kube import allocations, names, nodes
+from bettercompute.kube import allocations, names
+from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import definitions, statuses, webhooks
 
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
@@ -228,7 +229,7 @@ def test_node_reports(status, expected):
     ],
 )
 def test_a_status_of_another_shape_is_refused_naming_the_field(status, field):
-    with pytest.raises(allocations.ShapeError) as refused:
+    with pytest.raises(ShapeError) as refused:
         allocations.report(status)
     assert str(refused.value).startswith(f"{field}:"), str(refused.value)
 
@@ -262,7 +263,7 @@ def test_an_allocation_spec_the_crd_would_refuse_is_never_written():
     ],
 )
 def test_a_gpunode_status_of_another_shape_is_refused_naming_the_field(status, field):
-    with pytest.raises(nodes.StatusError, match=re.escape(field)):
+    with pytest.raises(ShapeError, match=re.escape(field)):
         definitions.node_spec("n1", labels={}, status=status, pool=None)
 
 

@@ -15,15 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from bettercompute.core import validation
-from bettercompute.kube import names
-
-
-class ShapeError(ValueError):
-    """An object that does not have the CRD's shape; the message names the field."""
+from bettercompute.kube import names, parsing
 
 
 class _Written(BaseModel):
@@ -141,11 +135,7 @@ REPORT_KINDS = {
 
 def parse_status(raw: object) -> AllocationStatus:
     """A node's status, checked; ``ShapeError`` names the first bad field."""
-    try:
-        return AllocationStatus.model_validate(raw if raw is not None else {})
-    except pydantic.ValidationError as e:
-        loc, reason = validation.first_problem(e, AllocationStatus)
-        raise ShapeError(f"{validation.path(loc, under='status')}: {reason}") from e
+    return parsing.parse(AllocationStatus, raw, under="status")
 
 
 def report(raw: object) -> tuple[str, dict[str, Any]] | None:

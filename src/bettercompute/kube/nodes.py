@@ -4,7 +4,7 @@ Why here: the node agent writes this status (``deviceplugin.publishing``) and th
 it into bookable atoms (``operator.definitions.node_spec``). One model, spelled as the CRD
 spells it (``crds/gpunodes.yaml``, checked field by field by a test), so the writer and the
 reader cannot drift. A status is input from a node: the operator parses it with
-``parse_status``, whose error names the field and the reason, never a ``KeyError``.
+``parse_status``, whose ``ShapeError`` names the field and the reason, never a ``KeyError``.
 
 What it must never do: I/O, read a clock, or import kopf or either program.
 """
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from bettercompute.core import validation
+from bettercompute.kube import parsing
 
 
 class _Status(BaseModel):
@@ -96,14 +95,6 @@ def _known(block: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in block.items() if v is not None}
 
 
-class StatusError(ValueError):
-    """A GPUNode status that does not have the CRD's shape; the message names the field."""
-
-
 def parse_status(raw: object) -> GpuNodeStatus:
-    """The status a node wrote, checked; ``StatusError`` names the first bad field."""
-    try:
-        return GpuNodeStatus.model_validate(raw if raw is not None else {})
-    except pydantic.ValidationError as e:
-        loc, reason = validation.first_problem(e, GpuNodeStatus)
-        raise StatusError(f"{validation.path(loc, under='status')}: {reason}") from e
+    """The status a node wrote, checked; ``ShapeError`` names the first bad field."""
+    return parsing.parse(GpuNodeStatus, raw, under="status")

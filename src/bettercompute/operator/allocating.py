@@ -25,6 +25,7 @@ from typing import Any
 
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.kube import allocations, names
+from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import resources
 from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
@@ -113,7 +114,7 @@ class AllocationSync:
         allocation_id = spec.get("allocationId")
         try:
             parsed = allocations.report(status)
-        except allocations.ShapeError as e:
+        except ShapeError as e:
             if self._malformed.get(str(allocation_id)) != str(e):
                 log.warning("DeviceAllocation %s: ignoring its status: %s", allocation_id, e)
                 self._malformed[str(allocation_id)] = str(e)

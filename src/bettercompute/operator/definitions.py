@@ -142,7 +142,7 @@ def node_spec(
     """The node's bookable atoms for the pool that takes it (none without a pool).
 
     ``status`` is what the node's agent wrote; one that does not have the GPUNode shape raises
-    ``kube.nodes.StatusError`` naming the field (the caller says so and books nothing on it).
+    ``kube.parsing.ShapeError`` naming the field (the caller says so and books nothing on it).
     """
     parsed = status if isinstance(status, nodes.GpuNodeStatus) else nodes.parse_status(status)
     atoms: list[AtomSpec] = []

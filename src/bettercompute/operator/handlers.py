@@ -25,7 +25,7 @@ import kopf
 
 from bettercompute.core.errors import ComputeError
 from bettercompute.kube import names
-from bettercompute.kube.nodes import StatusError
+from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import definitions, resources, webhooks
 from bettercompute.operator.runtime import Runtime
 
@@ -248,7 +248,7 @@ async def _apply_node(
         spec = definitions.node_spec(
             name, labels=labels, status=status, pool=pool, now_s=time.time()
         )
-    except StatusError as e:
+    except ShapeError as e:
         # A node whose agent wrote a status of another shape takes no new work until it writes
         # a good one; its bookings stay.
         log.warning("GPUNode %s: %s; the node takes no new work until its agent fixes it", name, e)
