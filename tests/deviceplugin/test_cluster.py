@@ -16,16 +16,17 @@ from prometheus_client import CollectorRegistry
 
 from bettercompute.deviceplugin.agent import started
 from bettercompute.deviceplugin.allocations import Allocations
-from bettercompute.deviceplugin.cluster import (
-    ClusterClient,
-    ClusterError,
-    Credentials,
-    CredentialsError,
-    credentials,
-    read_kubeconfig,
-)
 from bettercompute.deviceplugin.publishing import NodePublisher, parse_labels
 from bettercompute.deviceplugin.watching import AllocationObjects
+from bettercompute.kube.client import (
+    CredentialsError,
+    KubeClient,
+    KubeError,
+    kube_config,
+    read_kubeconfig,
+    server_of,
+)
+from bettercompute.kube.resources import GPUNODES as GPUNODES_RESOURCE
 from tests.deviceplugin import agents
 from tests.deviceplugin.agents import OPERATOR_NAMESPACE as NS
 from tests.deviceplugin.conftest import NODE, Node, allocation_spec, inventory
@@ -42,12 +43,13 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-async def client(kube_api: KubeApi) -> AsyncIterator[ClusterClient]:
-    async with ClusterClient(credentials=read_kubeconfig(kube_api.kubeconfig)) as opened:
+async def client(kube_api: KubeApi) -> AsyncIterator[KubeClient]:
+    config, _ = read_kubeconfig(kube_api.kubeconfig)
+    async with KubeClient(config) as opened:
         yield opened
 
 
-def publisher(client: ClusterClient, **options) -> NodePublisher:
+def publisher(client: KubeClient, **options) -> NodePublisher:
     return NodePublisher(client=client, node_name=NODE, registry=CollectorRegistry(), **options)
 
 
@@ -63,15 +65,19 @@ def test_credentials_come_from_the_flag_then_kubeconfig_then_the_service_account
     (account / "ca.crt").write_text("not read here")
     env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}
 
-    explicit = credentials(api_server="http://127.0.0.1:1/", api_token="t", environ=env)
-    assert (explicit.server, explicit.token) == ("http://127.0.0.1:1", "t")
+    explicit, where = kube_config(api_server="http://127.0.0.1:1/", api_token="t", environ=env)
+    assert (server_of(explicit), where) == ("http://127.0.0.1:1", "--api-server")
+    assert explicit.get().user.token == "t"
 
-    in_pod = credentials(service_account_dir=account, environ=env)
-    assert in_pod.server == "https://[fd00::1]:6443"
-    assert (in_pod.token_file, in_pod.ca_file) == (account / "token", account / "ca.crt")
-    assert credentials(service_account_dir=account, environ={}).server == (
-        "https://kubernetes.default.svc"
-    )
+    in_pod, where = kube_config(service_account_dir=account, environ=env)
+    assert server_of(in_pod) == "https://[fd00::1]:6443"
+    assert where == f"the service account in {account}"
+    current = in_pod.get()
+    # The token is read from its file for each request (the kubelet rotates it), never kept.
+    assert (current.user.token, current.user.token_file) == (None, str(account / "token"))
+    assert current.cluster.certificate_auth == str(account / "ca.crt")
+    default, _ = kube_config(service_account_dir=account, environ={})
+    assert server_of(default) == "https://kubernetes.default.svc"
 
     config = tmp_path / "kubeconfig"
     config.write_text(
@@ -89,25 +95,26 @@ def test_credentials_come_from_the_flag_then_kubeconfig_then_the_service_account
             }
         )
     )
-    from_file = credentials(service_account_dir=account, environ={**env, "KUBECONFIG": str(config)})
-    assert from_file.server == "https://k:6443"
-    assert (from_file.ca_file, from_file.token_file) == (tmp_path / "ca.pem", tmp_path / "token")
+    from_file, where = kube_config(
+        service_account_dir=account, environ={**env, "KUBECONFIG": str(config)}
+    )
+    assert server_of(from_file) == "https://k:6443"
+    assert where == f"kubeconfig {config} (context 'c')"
 
     with pytest.raises(CredentialsError, match="no Kubernetes API server"):
-        credentials(service_account_dir=tmp_path / "none", environ={"HOME": str(tmp_path)})
+        kube_config(service_account_dir=tmp_path / "none", environ={"HOME": str(tmp_path)})
 
 
 @pytest.mark.parametrize(
     ("document", "problem"),
     [
-        ("[a, b", "not valid YAML"),
-        ("{}", "current-context is not set"),
-        ("{current-context: x, contexts: []}", "contexts: no entry named 'x'"),
+        ("[a, b", "kubeconfig .*: "),
+        ("{}", "kubeconfig .*: "),
+        ("{current-context: x, contexts: [], clusters: []}", "kubeconfig .*: .*'x'"),
         (
-            "{current-context: c, contexts: [{name: c, context: {cluster: k, user: u}}],"
-            " clusters: [{name: k, cluster: {server: 'https://k'}}],"
-            " users: [{name: u, user: {exec: {command: aws}}}]}",
-            "uses an exec plugin, which the device plugin does not run",
+            "{current-context: c, contexts: [{name: c, context: {cluster: k}}],"
+            " clusters: [{name: k, cluster: {}}]}",
+            "kubeconfig .*: ",
         ),
     ],
 )
@@ -118,21 +125,79 @@ def test_a_kubeconfig_it_cannot_use_is_a_clear_error(tmp_path: Path, document: s
         read_kubeconfig(path)
 
 
+async def test_a_kubeconfig_with_an_exec_plugin_authenticates_as_eks_gke_and_aks_do(
+    kube_api: KubeApi, tmp_path: Path
+):
+    # What EKS (aws eks get-token), GKE (gke-gcloud-auth-plugin) and AKS (kubelogin) put in a
+    # kubeconfig: a command that prints an ExecCredential. The agent must run it and send its
+    # token, and nothing else.
+    plugin = tmp_path / "get-token"
+    plugin.write_text(
+        "#!/bin/sh\n"
+        'echo "$@" > "$(dirname "$0")/called-with"\n'
+        "cat <<'EOF'\n"
+        '{"apiVersion": "client.authentication.k8s.io/v1beta1", "kind": "ExecCredential",'
+        ' "status": {"token": "exec-token-42"}}\n'
+        "EOF\n"
+    )
+    plugin.chmod(0o755)
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "eks",
+                "contexts": [{"name": "eks", "context": {"cluster": "stand-in", "user": "iam"}}],
+                "clusters": [{"name": "stand-in", "cluster": {"server": kube_api.url}}],
+                "users": [
+                    {
+                        "name": "iam",
+                        "user": {
+                            "exec": {
+                                "apiVersion": "client.authentication.k8s.io/v1beta1",
+                                "command": str(plugin),
+                                "args": ["eks", "get-token", "--cluster-name", "prod"],
+                            }
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_e1", ["GPU-0"])))
+    served_before = len(list(kube_api.emulator))
+    loaded, _ = kube_config(kubeconfig=config, environ={})
+    async with KubeClient(loaded) as client:
+        objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
+        assert [s["allocationId"] for s in await objects.desired()] == ["alloc_e1"]
+    assert (tmp_path / "called-with").read_text().split() == [
+        "eks",
+        "get-token",
+        "--cluster-name",
+        "prod",
+    ]
+    seen = [
+        {k.lower(): v for k, v in request.headers.items()}.get("authorization")
+        for request in list(kube_api.emulator)[served_before:]
+    ]
+    assert seen
+    assert all(header == "Bearer exec-token-42" for header in seen), seen
+
+
 # --- DeviceAllocations -------------------------------------------------------------------------
 
 
 async def test_an_unreachable_api_is_an_error_never_an_empty_list():
-    unreachable = Credentials(server=f"http://127.0.0.1:{closed_port()}", source="test")
-    async with ClusterClient(credentials=unreachable) as client:
+    unreachable, _ = kube_config(api_server=f"http://127.0.0.1:{closed_port()}", environ={})
+    async with KubeClient(unreachable) as client:
         objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
-        with pytest.raises(ClusterError) as failed:
+        with pytest.raises(KubeError) as failed:
             await objects.desired()
     assert failed.value.status == 0
     assert failed.value.reason == "Unreachable"
 
 
 async def test_the_watch_resumes_from_the_last_version_it_saw(
-    kube_api: KubeApi, client: ClusterClient
+    kube_api: KubeApi, client: KubeClient
 ):
     objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
     woken = asyncio.Event()
@@ -175,7 +240,7 @@ async def test_the_watch_binds_at_once_not_at_the_next_pass(kube_api: KubeApi, k
         )
 
 
-async def test_a_report_without_an_object_is_dropped(client: ClusterClient):
+async def test_a_report_without_an_object_is_dropped(client: KubeClient):
     objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
     await objects.report(allocation_id="alloc_gone", status={"phase": "Released"})
 
@@ -184,7 +249,7 @@ async def test_a_report_without_an_object_is_dropped(client: ClusterClient):
 
 
 async def test_a_new_gpunode_copies_the_node_labels_when_it_may_read_the_node(
-    kube_api: KubeApi, client: ClusterClient
+    kube_api: KubeApi, client: KubeClient
 ):
     kube_api.emulator.declare(NODES, kind="Node")
     await kube_api.create(
@@ -196,7 +261,7 @@ async def test_a_new_gpunode_copies_the_node_labels_when_it_may_read_the_node(
 
 @pytest.mark.parametrize("forbidden", [False, True])
 async def test_without_a_readable_node_the_gpunode_has_no_labels(
-    kube_api: KubeApi, client: ClusterClient, forbidden: bool, caplog: pytest.LogCaptureFixture
+    kube_api: KubeApi, client: KubeClient, forbidden: bool, caplog: pytest.LogCaptureFixture
 ):
     caplog.set_level(logging.INFO, logger="bettercompute.deviceplugin.publishing")
     # No Node resource here: the stand-in answers 404, as for a Node that is not there; or
@@ -211,7 +276,7 @@ async def test_without_a_readable_node_the_gpunode_has_no_labels(
 
 
 async def test_given_labels_are_merged_into_an_existing_gpunode(
-    kube_api: KubeApi, client: ClusterClient
+    kube_api: KubeApi, client: KubeClient
 ):
     await kube_api.create(
         {
@@ -232,9 +297,7 @@ def test_node_labels_parse_or_name_the_bad_entry():
         parse_labels("a=1,oops")
 
 
-async def test_heartbeats_a_deleted_gpunode_and_a_clean_stop(
-    kube_api: KubeApi, client: ClusterClient
-):
+async def test_heartbeats_a_deleted_gpunode_and_a_clean_stop(kube_api: KubeApi, client: KubeClient):
     moments = iter(range(1_790_000_000, 1_790_100_000, 30))
     node = publisher(client, heartbeat_s=0.02, clock=lambda: float(next(moments)))
     await node.connect()
@@ -259,5 +322,4 @@ async def test_heartbeats_a_deleted_gpunode_and_a_clean_stop(
     await node.stopped()
     stopped = agents.ready_condition(kube_api.stored(GPUNODES, None, NODE))
     assert (stopped["status"], stopped["reason"]) == ("False", "AgentStopped")
-    with pytest.raises(ClusterError, match="404"):
-        await client.merge_patch("/apis/bcd.dev/v1alpha1/gpunodes/nowhere/status", {})
+    assert await client.patch(GPUNODES_RESOURCE, "nowhere", {}, status=True) is None

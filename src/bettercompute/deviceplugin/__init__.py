@@ -9,7 +9,7 @@ Modules: ``inventory`` (the node's GPUs), ``devicefiles`` (CDI spec and env file
 ``registering`` (Register, and again after a kubelet restart), ``podresources`` (which pods hold
 devices), ``signing`` (the node key and signed reports), ``converging`` (the agent's core, with
 ports to Kubernetes), ``metrics`` and ``running`` (everything the kubelet sees, wired in order).
-The Kubernetes side: ``cluster`` (credentials and a small API client), ``watching`` (the
+The Kubernetes side: ``kube.client`` (credentials and the API client), ``watching`` (the
 node's DeviceAllocations: the converger's two ports, kept by a watch), ``publishing`` (the
 node's GPUNode) and ``agent`` (the process, ``better-compute-deviceplugin``).
 

@@ -34,18 +34,12 @@ from typing import Annotated
 
 import typer
 from aiohttp import web
+from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from bettercompute import supervising
 from bettercompute.deviceplugin import converging, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
-from bettercompute.deviceplugin.cluster import (
-    ClusterClient,
-    ClusterError,
-    Credentials,
-    CredentialsError,
-    credentials,
-)
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import (
     FileInventory,
@@ -63,6 +57,13 @@ from bettercompute.deviceplugin.publishing import (
 from bettercompute.deviceplugin.running import NodePlugin
 from bettercompute.deviceplugin.signing import NodeKey, SigningError
 from bettercompute.deviceplugin.watching import AllocationObjects
+from bettercompute.kube.client import (
+    CredentialsError,
+    KubeClient,
+    KubeError,
+    kube_config,
+    server_of,
+)
 
 log = logging.getLogger("bettercompute.deviceplugin.agent")  # the same under python -m
 
@@ -110,7 +111,7 @@ class Agent:
     plugin: NodePlugin
     publisher: NodePublisher
     objects: AllocationObjects
-    client: ClusterClient
+    client: KubeClient
     registry: CollectorRegistry
     url: str
     tasks: list[asyncio.Task[None]]
@@ -133,9 +134,9 @@ def inventory_source(config: AgentConfig) -> InventorySource:
     return NvmlInventory(node_name=config.node_name)
 
 
-def _credentials(config: AgentConfig) -> Credentials:
+def _credentials(config: AgentConfig) -> tuple[KubeConfig, str]:
     try:
-        return credentials(
+        return kube_config(
             api_server=config.api_server, api_token=config.api_token, kubeconfig=config.kubeconfig
         )
     except CredentialsError as e:
@@ -159,17 +160,17 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
         key = await asyncio.to_thread(NodeKey.load_or_create, config.node_key)
     except SigningError as e:
         raise AgentError(str(e)) from e
-    found = _credentials(config)
+    kube, where = _credentials(config)
     log.info(
         "node %s: %d GPUs; node key %s; Kubernetes API %s from %s",
         config.node_name,
         len(inventory.gpus),
         key.key_id,
-        found.server,
-        found.source,
+        server_of(kube),
+        where,
     )
     async with contextlib.AsyncExitStack() as stack:
-        client = ClusterClient(credentials=found)
+        client = KubeClient(kube)
         stack.push_async_callback(client.close)
         registry = CollectorRegistry()
         objects = AllocationObjects(
@@ -188,7 +189,7 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             pass_seconds=config.pass_seconds,
             inventory_interval_s=config.inventory_interval_s,
             register_poll_seconds=config.register_poll_seconds,
-            retry_on=(OSError, ClusterError),
+            retry_on=(OSError, KubeError),
         )
         plugin.allocations.set_inventory(inventory)
         publisher = NodePublisher(
@@ -356,7 +357,8 @@ def run(
         Path | None,
         typer.Option(
             envvar="KUBECONFIG",
-            help="A kubeconfig (token or client certificate; exec plugins are not run). "
+            help="A kubeconfig (a token, a token file, a client certificate or an exec "
+            "credential plugin such as EKS's, GKE's or AKS's). "
             "Without this or --api-server the pod's service account is used.",
         ),
     ] = None,

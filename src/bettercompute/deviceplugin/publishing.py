@@ -33,15 +33,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bettercompute.deviceplugin.allocations import Allocations
-from bettercompute.deviceplugin.cluster import ClusterClient, ClusterError
 from bettercompute.deviceplugin.inventory import Inventory
 from bettercompute.deviceplugin.watching import Backoff
-from bettercompute.kube import nodes
+from bettercompute.kube import nodes, resources
+from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.kube.names import API_VERSION
 
 log = logging.getLogger(__name__)
@@ -130,7 +129,7 @@ class NodePublisher:
     def __init__(
         self,
         *,
-        client: ClusterClient,
+        client: KubeClient,
         node_name: str,
         registry: CollectorRegistry,
         labels: Mapping[str, str] | None = None,
@@ -146,7 +145,6 @@ class NodePublisher:
         self.heartbeat_s = heartbeat_s
         self.clock = clock
         self.backoff = backoff or Backoff(initial_s=0.5, max_s=heartbeat_s)
-        self.path = f"/apis/{API_VERSION}/gpunodes/{quote(node_name, safe='')}"
         self._ready_since: str | None = None
         self._published: Inventory | None = None
         self._last_problem = ""
@@ -168,7 +166,7 @@ class NodePublisher:
         while True:
             try:
                 await self._ensure()
-            except ClusterError as e:
+            except KubeError as e:
                 delay = self.backoff.next()
                 log.warning(
                     "cannot reach the Kubernetes API at %s to write GPUNode %s: %s; "
@@ -184,7 +182,7 @@ class NodePublisher:
             return
 
     async def _ensure(self) -> None:
-        found = await self.client.get(self.path)
+        found = await self.client.get(resources.GPUNODES, self.node_name)
         if found is None:
             labels = self.labels if self.labels is not None else await self._node_labels()
             body = {
@@ -194,16 +192,18 @@ class NodePublisher:
                 "spec": {},
             }
             try:
-                found = await self.client.create(self.path.rsplit("/", 1)[0], body)
+                found = await self.client.create(resources.GPUNODES, body)
                 log.info("created GPUNode %s with labels %s", self.node_name, labels)
-            except ClusterError as e:
+            except KubeError as e:
                 if e.status != 409:  # 409: created meanwhile (a previous run); same object
                     raise
-                found = await self.client.get(self.path) or {}
+                found = await self.client.get(resources.GPUNODES, self.node_name) or {}
         elif self.labels:
             current = (found.get("metadata") or {}).get("labels") or {}
             if any(current.get(k) != v for k, v in self.labels.items()):
-                await self.client.merge_patch(self.path, {"metadata": {"labels": self.labels}})
+                await self.client.patch(
+                    resources.GPUNODES, self.node_name, {"metadata": {"labels": self.labels}}
+                )
                 log.info("GPUNode %s: labels %s merged in", self.node_name, self.labels)
         if self._ready_since is None:
             self._ready_since = _ready_since(found)
@@ -211,8 +211,8 @@ class NodePublisher:
     async def _node_labels(self) -> dict[str, str]:
         """The Kubernetes Node's labels, or none when the agent may not read them."""
         try:
-            node = await self.client.get(f"/api/v1/nodes/{quote(self.node_name, safe='')}")
-        except ClusterError as e:
+            node = await self.client.get(resources.NODES, self.node_name)
+        except KubeError as e:
             if e.status in (401, 403):
                 log.info(
                     "cannot read Node %s (%s); GPUNode created without labels: give "
@@ -241,14 +241,10 @@ class NodePublisher:
             heartbeat=now,
             ready_since=self._ready_since,
         )
-        try:
-            await self.client.merge_patch(f"{self.path}/status", {"status": status})
-        except ClusterError as e:
-            if e.status != 404:
-                raise
+        if await self._write_status(status) is None:
             log.warning("GPUNode %s is gone; creating it again", self.node_name)
             await self._ensure()
-            await self.client.merge_patch(f"{self.path}/status", {"status": status})
+            await self._write_status(status)
         if inventory != self._published:
             log.info(
                 "GPUNode %s: %d GPUs published (%d healthy)",
@@ -272,7 +268,7 @@ class NodePublisher:
                     due = loop.time() + self.heartbeat_s
                     self.backoff.reset()
                     self._last_problem = ""
-                except ClusterError as e:
+                except KubeError as e:
                     self.failures.inc()
                     due = loop.time() + self.backoff.next()
                     self._say(f"cannot write GPUNode {self.node_name} status: {e}")
@@ -297,9 +293,15 @@ class NodePublisher:
         )
         try:
             async with asyncio.timeout(timeout_s):
-                await self.client.merge_patch(f"{self.path}/status", {"status": status})
-        except (ClusterError, TimeoutError) as e:
+                await self._write_status(status)
+        except (KubeError, TimeoutError) as e:
             log.warning("could not mark GPUNode %s not ready: %s", self.node_name, e)
+
+    async def _write_status(self, status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge ``status`` into the GPUNode's; ``None`` when the object is gone."""
+        return await self.client.patch(
+            resources.GPUNODES, self.node_name, {"status": dict(status)}, status=True
+        )
 
     def _say(self, problem: str) -> None:
         if problem != self._last_problem:

@@ -9,7 +9,7 @@ and wakes the converger. ``desired()`` answers from that copy, so a new allocati
 fast as the watch delivers it, not at the next pass.
 
 - The copy is complete or absent: until the first list succeeds ``desired()`` lists (and
-  raises ``ClusterError`` if it cannot). While the watch reconnects the copy is the last
+  raises ``KubeError`` if it cannot). While the watch reconnects the copy is the last
   complete state, never a partial one.
 - A broken watch reconnects with exponential backoff from the last ``resourceVersion`` it saw
   (bookmarks included); a ``410 Gone`` (the version is too old) lists again.
@@ -17,7 +17,7 @@ fast as the watch delivers it, not at the next pass.
   ``spec.allocationId`` in the copy, else by the operator's naming rule (``_`` → ``-``,
   lowercased). "Not found" is ignored (the object was deleted: nobody will read the status),
   as is an answer that can never succeed (400, 422), which is logged; anything else raises
-  ``ClusterError`` so the converger's next pass reports again.
+  ``KubeError`` so the converger's next pass reports again.
 
 Who calls it: ``agent`` (the composition root). What it must never do: decide anything about an
 allocation (the converger does), write ``spec``, or return a partial list.
@@ -31,16 +31,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import quote
 
-from bettercompute.deviceplugin.cluster import ClusterClient, ClusterError
-from bettercompute.kube import names
+from bettercompute.kube import names, resources
 from bettercompute.kube.allocations import allocation_name
+from bettercompute.kube.client import WATCH_TIMEOUT_SECONDS, KubeClient, KubeError
 
 log = logging.getLogger(__name__)
 
-#: How long the server keeps one watch open before we open the next.
-WATCH_TIMEOUT_SECONDS = 290
 #: A watch that ends sooner than this without an event counts as a failure (backoff applies).
 MIN_WATCH_SECONDS = 1.0
 
@@ -68,7 +65,7 @@ class AllocationObjects:
     def __init__(
         self,
         *,
-        client: ClusterClient,
+        client: KubeClient,
         namespace: str,
         node_name: str,
         backoff: Backoff | None = None,
@@ -79,9 +76,7 @@ class AllocationObjects:
         self.node_name = node_name
         self.backoff = backoff or Backoff()
         self.watch_timeout_s = watch_timeout_s
-        scope = f"/apis/{names.API_VERSION}/namespaces/{quote(namespace, safe='')}"
-        self.path = f"{scope}/deviceallocations"
-        self.label_selector = f"{names.NODE_LABEL}={node_name}"
+        self.labels = {names.NODE_LABEL: node_name}
         # Object name -> object, as of ``_version``; None until the first list.
         self._objects: dict[str, dict[str, Any]] | None = None
         self._version: str | None = None
@@ -110,19 +105,23 @@ class AllocationObjects:
     async def report(self, *, allocation_id: str, status: Mapping[str, Any]) -> None:
         """Merge-patch ``status`` onto the allocation's object."""
         name = self._name_of(allocation_id)
-        path = f"{self.path}/{quote(name, safe='')}/status"
         try:
-            await self.client.merge_patch(path, {"status": dict(status)})
-        except ClusterError as e:
-            if e.status == 404:
-                log.info("%s: object %s is gone; %s not written", allocation_id, name, status)
-                return
+            patched = await self.client.patch(
+                resources.DEVICE_ALLOCATIONS,
+                name,
+                {"status": dict(status)},
+                namespace=self.namespace,
+                status=True,
+            )
+        except KubeError as e:
             if e.status in (400, 422):
                 # The API refuses this status for good: retrying every pass would only stall
                 # the other allocations' reports.
                 log.error("%s: the API refused its %s status: %s", allocation_id, status, e)
                 return
             raise
+        if patched is None:
+            log.info("%s: object %s is gone; %s not written", allocation_id, name, status)
 
     def _name_of(self, allocation_id: str) -> str:
         for name, obj in (self._objects or {}).items():
@@ -143,18 +142,19 @@ class AllocationObjects:
                         await self._list()
                     wake()
                 assert self._version is not None
-                async for event in self.client.watch(
-                    self.path,
-                    label_selector=self.label_selector,
+                async for kind, obj in self.client.watch(
+                    resources.DEVICE_ALLOCATIONS,
+                    namespace=self.namespace,
+                    labels=self.labels,
                     resource_version=self._version,
                     timeout_s=self.watch_timeout_s,
                 ):
-                    if self._apply(event):
+                    if self._apply({"type": kind, "object": obj}):
                         applied += 1
                         wake()
                     self.backoff.reset()
                     self._last_problem = ""
-            except ClusterError as e:
+            except KubeError as e:
                 if e.status != 410:
                     self._say(f"watching DeviceAllocations failed: {e}")
                     await asyncio.sleep(self.backoff.next())
@@ -166,9 +166,11 @@ class AllocationObjects:
                 await asyncio.sleep(self.backoff.next())
 
     async def _list(self) -> None:
-        items, version = await self.client.list(self.path, label_selector=self.label_selector)
+        items, version = await self.client.list_from(
+            resources.DEVICE_ALLOCATIONS, namespace=self.namespace, labels=self.labels
+        )
         if not version:
-            raise ClusterError(
+            raise KubeError(
                 status=0,
                 reason="BadAnswer",
                 message="the list has no resourceVersion to watch from",

@@ -24,10 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core.errors import ComputeError, StoreError
-from bettercompute.kube import allocations, names
+from bettercompute.kube import allocations, names, resources
+from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import resources
-from bettercompute.operator.kubeapi import KubeApi, KubeApiError
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
 
@@ -42,7 +41,7 @@ class AllocationSync:
         *,
         service: ReservationService,
         nodes: NodeService,
-        kube: KubeApi,
+        kube: KubeClient,
         namespace: str,
         resync_s: float = 60.0,
     ):
@@ -74,7 +73,7 @@ class AllocationSync:
             for obj in await self.kube.list(
                 resources.DEVICE_ALLOCATIONS,
                 namespace=self.namespace,
-                label_selector=f"{names.NODE_LABEL}={node}",
+                labels={names.NODE_LABEL: node},
             )
         }
         for allocation_id, spec in desired.items():
@@ -102,7 +101,7 @@ class AllocationSync:
     async def _create(self, manifest: Mapping[str, Any]) -> None:
         try:
             await self.kube.create(resources.DEVICE_ALLOCATIONS, manifest, namespace=self.namespace)
-        except KubeApiError as e:
+        except KubeError as e:
             if e.status != 409:  # another replica made it first: the same object
                 raise
 
@@ -167,7 +166,7 @@ class AllocationSync:
         # A store or API outage must not end the loop: the next hint or pass retries.
         try:
             return await call
-        except (KubeApiError, StoreError) as e:
+        except (KubeError, StoreError) as e:
             log.warning("device allocation sync: %s", e)
         except Exception:
             log.exception("device allocation sync failed")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from bettercompute.core import ports
-from bettercompute.operator.kubeapi import KubeApi, KubeApiError
+from bettercompute.kube.client import KubeClient, KubeError
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +26,14 @@ TENANT_GROUP_PREFIX = "bcd.dev:tenant:"
 class TokenReviewAuthenticator:
     """``ports.Authenticator`` over the API server's TokenReview."""
 
-    def __init__(self, kube: KubeApi, *, tenant_group_prefix: str = TENANT_GROUP_PREFIX):
+    def __init__(self, kube: KubeClient, *, tenant_group_prefix: str = TENANT_GROUP_PREFIX):
         self.kube = kube
         self.prefix = tenant_group_prefix
 
     async def authenticate(self, token: str) -> ports.Caller | None:
         try:
             review = await self.kube.token_review(token)
-        except KubeApiError as e:
+        except KubeError as e:
             log.warning("TokenReview failed: %s", e)
             return None
         if not review.get("authenticated"):

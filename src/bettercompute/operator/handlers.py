@@ -24,9 +24,9 @@ from typing import Any
 import kopf
 
 from bettercompute.core.errors import ComputeError
-from bettercompute.kube import names
+from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, resources, webhooks
+from bettercompute.operator import definitions, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from bettercompute.core.errors import ComputeError, StoreError
-from bettercompute.operator import resources, statuses
-from bettercompute.operator.kubeapi import KubeApi, KubeApiError
+from bettercompute.kube import resources
+from bettercompute.kube.client import KubeClient, KubeError
+from bettercompute.operator import statuses
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
 
@@ -117,7 +118,7 @@ class Projector:
         *,
         service: ReservationService,
         nodes: NodeService,
-        kube: KubeApi,
+        kube: KubeClient,
         objects: Objects,
         clock: Callable[[], str] = now_rfc3339,
         concurrency: int = 16,
@@ -247,7 +248,7 @@ class Projector:
                 message=_message(kind, data),
                 namespace=place.namespace,
             )
-        except KubeApiError as e:
+        except KubeError as e:
             # An Event is news, not state: one the API server refused is logged, never retried
             # (retrying would hold up every later event behind it).
             log.warning("could not post the %s event of %s: %s", kind, rid, e)
@@ -272,7 +273,7 @@ class Projector:
         async with self._limit:
             try:
                 await self.project(rid)
-            except (KubeApiError, ComputeError) as e:
+            except (KubeError, ComputeError) as e:
                 log.warning("could not project %s: %s", rid, e)
             except StoreError as e:
                 log.warning("could not project %s, retrying: %s", rid, e)

@@ -24,8 +24,8 @@ from typing import Any
 from bettercompute.core import ports, states
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.kube import names
+from bettercompute.kube.client import KubeClient
 from bettercompute.operator import definitions, statuses
-from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Projector
 from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
@@ -46,7 +46,7 @@ TERMINAL = frozenset(s.value for s in states.TERMINAL)
 class ReservationDoor:
     """The Reservation resource as a door onto the reservation service."""
 
-    def __init__(self, *, service: ReservationService, projector: Projector, kube: KubeApi):
+    def __init__(self, *, service: ReservationService, projector: Projector, kube: KubeClient):
         self.service = service
         self.projector = projector
         self.kube = kube

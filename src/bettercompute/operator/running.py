@@ -36,11 +36,11 @@ from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
 from bettercompute.kube import names
+from bettercompute.kube.client import KubeClient, from_kopf
 from bettercompute.operator import certificates, handlers
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
-from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.operator.runtime import Runtime
@@ -165,7 +165,7 @@ async def started(
             db=db, policy=engine, budget=backing.budget_check(db)
         )
         stack.push_async_callback(service.close)
-        kube = KubeApi(connection)
+        kube = KubeClient(from_kopf(connection))
         stack.push_async_callback(kube.close)
         nodes = NodeService(db)
         objects = Objects()

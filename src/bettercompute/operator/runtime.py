@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import kopf
 
 from bettercompute.core.inventories import NodeSpec
+from bettercompute.kube.client import KubeClient
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.config import OperatorConfig
-from bettercompute.operator.kubeapi import KubeApi
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.service.clusters import ClusterService
@@ -31,7 +31,7 @@ class Runtime:
     service: ReservationService
     clusters: ClusterService
     nodes: NodeService
-    kube: KubeApi
+    kube: KubeClient
     objects: Objects
     projector: Projector
     allocations: AllocationSync

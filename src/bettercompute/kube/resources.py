@@ -1,0 +1,27 @@
+"""The resource types both programs read and write, declared once for lightkube.
+
+Why: lightkube addresses an object by its resource class. Our custom resources are declared
+here from ``kube.names``, so the operator and the node agent cannot disagree on a group, a
+version or a plural; the built-in kinds come from lightkube's own typed models.
+
+Data only: no I/O.
+"""
+
+from __future__ import annotations
+
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.resources.authentication_v1 import TokenReview
+from lightkube.resources.core_v1 import Event, Namespace, Node
+
+from bettercompute.kube.names import GROUP, VERSION
+
+RESERVATIONS = create_namespaced_resource(GROUP, VERSION, "Reservation", "reservations")
+GPUPOOLS = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")
+GPUNODES = create_global_resource(GROUP, VERSION, "GPUNode", "gpunodes")
+DEVICE_ALLOCATIONS = create_namespaced_resource(
+    GROUP, VERSION, "DeviceAllocation", "deviceallocations"
+)
+NAMESPACES = Namespace
+NODES = Node
+EVENTS = Event
+TOKEN_REVIEWS = TokenReview
