@@ -230,6 +230,28 @@ async def test_the_watch_resumes_from_the_last_version_it_saw(
     assert [s["allocationId"] for s in await objects.desired()] == ["alloc_w2", "alloc_w3"]
 
 
+async def test_a_watch_too_old_to_resume_lists_again(kube_api: KubeApi, client: KubeClient):
+    objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_c1", ["GPU-0"])))
+    assert [s["allocationId"] for s in await objects.desired()] == ["alloc_c1"]
+    # While nobody watches: a change, then the history is compacted (etcd does this every few
+    # minutes), so the version the copy was listed at can no longer be resumed from.
+    await kube_api.create(agents.device_allocation(allocation_spec("alloc_c2", ["GPU-1"])))
+    await kube_api.delete(DEVICEALLOCATIONS, NS, "alloc-c1")
+    kube_api.emulator.compact()
+    woken = asyncio.Event()
+    task = asyncio.create_task(objects.follow(wake=woken.set))
+    try:
+        async with asyncio.timeout(3):
+            while [s["allocationId"] for s in await objects.desired()] != ["alloc_c2"]:
+                woken.clear()
+                await woken.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def test_the_watch_binds_at_once_not_at_the_next_pass(kube_api: KubeApi, kubelet_node: Node):
     config = agents.agent_config(kube=kube_api, node=kubelet_node, pass_seconds=30.0)
     async with started(config) as agent:

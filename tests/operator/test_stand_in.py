@@ -289,6 +289,22 @@ async def test_watch_resumes_after_a_resource_version(http: httpx.AsyncClient) -
     assert await events(http, path, count=3) == [("ADDED", "a"), ("ADDED", "b"), ("ADDED", "c")]
 
 
+async def test_a_watch_from_before_a_compaction_is_gone(
+    api: KubeApi, http: httpx.AsyncClient
+) -> None:
+    path = WIDGETS.path(namespace="ns1")
+    await send(http, "POST", path, widget("a"))
+    old = (await http.get(path)).json()["metadata"]["resourceVersion"]
+    await send(http, "POST", path, widget("b"))
+    api.emulator.compact()
+    gone = await http.get(path, params={"watch": "true", "resourceVersion": old})
+    assert (gone.status_code, gone.json()["reason"]) == (410, "Expired")
+    # From the current version, and with a fresh list, watching works as before.
+    now = (await http.get(path)).json()["metadata"]["resourceVersion"]
+    await send(http, "POST", path, widget("c"))
+    assert await events(http, path, count=1, resourceVersion=now) == [("ADDED", "c")]
+
+
 async def test_watch_timeout_seconds_ends_the_stream(http: httpx.AsyncClient) -> None:
     started = time.monotonic()
     response = await http.get(WIDGETS.path(), params={"watch": "true", "timeoutSeconds": "1"})

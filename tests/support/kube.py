@@ -28,9 +28,9 @@ agent run against this subclass over real HTTP, so it answers as a real API serv
 - ``POST /apis/authentication.k8s.io/v1/tokenreviews`` answers from ``tokens``.
 
 Not done (real servers do): namespaces are not required to exist and are not cascaded on
-delete; no admission, no schema validation, no ``410 Gone`` (the change log is never
-compacted), no server-side apply, no delete preconditions or collections; PUT without a
-``resourceVersion`` is accepted unconditionally.
+delete; no admission, no schema validation, no ``410 Gone`` unless a test calls ``compact``
+(the change log is otherwise never compacted), no server-side apply, no delete preconditions
+or collections; PUT without a ``resourceVersion`` is accepted unconditionally.
 
 The pure rules (selectors, merge-patch, validation, ``Ref``) live in ``kubeobjects.py``; this
 module holds the state and the HTTP dispatch. Who calls it: ``tests/support/kubeserver.py``
@@ -120,6 +120,7 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
     _served: int = attrs.field(default=0, init=False)
     _revision: int = attrs.field(default=0, init=False)
     _changes: list[_Change] = attrs.field(factory=list, init=False)
+    _compacted: int = attrs.field(default=0, init=False)
     _written: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -240,6 +241,11 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         current = self._current((ref.resource, namespace if ref.namespaced else None, name))
         return copy.deepcopy(current)
 
+    def compact(self) -> None:
+        """Forget the change history up to now, as etcd compaction does: a watch from an older
+        ``resourceVersion`` is answered ``410 Gone`` and must list again."""
+        self._compacted = self._revision
+
     async def written(self, *, since: int) -> None:
         """Return once some write has committed a resourceVersion above ``since``."""
         while self._revision <= since:
@@ -350,6 +356,10 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         if not (since or "0").isdigit() or not (timeout or "0").isdigit():
             raise kubeobjects.failure(
                 400, "BadRequest", "resourceVersion and timeoutSeconds must be integers"
+            )
+        if since not in (None, "", "0") and int(since) < self._compacted:
+            raise kubeobjects.failure(
+                410, "Expired", f"too old resource version: {since} ({self._compacted})"
             )
         initial: list[dict[str, Any]] = []
         if since in (None, "", "0"):

@@ -378,10 +378,13 @@ def _error(error: Exception) -> KubeError:
             message=str(error.status.message or error),
         )
     if isinstance(error, httpx2.HTTPStatusError):
+        response = error.response
+        try:
+            message = response.text[:500]
+        except httpx2.ResponseNotRead:  # a watch's streamed answer: its body was not read
+            message = f"HTTP {response.status_code} {response.reason_phrase}"
         return KubeError(
-            status=error.response.status_code,
-            reason=error.response.reason_phrase or "Error",
-            message=error.response.text[:500],
+            status=response.status_code, reason=response.reason_phrase or "Error", message=message
         )
     if isinstance(error, httpx2.HTTPError | OSError | ConfigError):
         return KubeError(status=0, reason="Unreachable", message=_said(error))
