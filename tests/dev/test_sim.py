@@ -339,3 +339,29 @@ def test_the_inventory_file_a_simulated_node_writes_reads_back_as_its_devices(
         if atom.nvlink_domain is not None:
             sim_domains.setdefault(atom.nvlink_domain, set()).add(atom.parent_gpu)
     assert {k: set(v) for k, v in read.nvlink_domains.items()} == sim_domains
+
+
+async def test_devices_missing_from_the_inventory_are_reported_failed_and_signed(
+    db: Database, service: ReservationService, tmp_path: Path
+) -> None:
+    node = await _world(db)
+    reports = RecordingReports(service)
+    agent = agents.node_agent(node, root=tmp_path, desired=NodeService(db), reports=reports)
+    # The machine lost all but one GPU after the store was told about its eight.
+    shrunk = inventories.node(
+        name=node.name, pool_id=node.pool_id, model="H100", gpus=1, nvlink_domains=0
+    )
+    agents.write_inventory(shrunk, tmp_path / "inventory.json")
+    await service.create(caller(), CREATE)
+    await Reconciler(db).run_once()
+    [desired] = await NodeService(db).desired(node.id)
+    done = await agent.sync_once()
+    assert (done.bound, done.failed) == ([], [desired["allocationId"]])
+    assert not list((tmp_path / "cdi").glob("*"))
+    [failed] = reports.seen
+    assert failed["kind"] == "failed"
+    assert "is not in this node's inventory" in failed["details"]["reason"]
+    key = signing.NodeKey.load(tmp_path / "node-key.pem").public_key
+    assert signing.verify(signature=failed["details"]["signature"], public_key=key)["phase"] == (
+        "Failed"
+    )
