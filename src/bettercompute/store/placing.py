@@ -257,32 +257,6 @@ def mark_placed_statement(
     )
 
 
-async def mark_placed(
-    conn: Conn,
-    *,
-    reservation_id: str,
-    pool_id: str,
-    outcome: placement.Placed,
-    start: dt.datetime,
-    end: dt.datetime,
-    lease: dt.datetime | None,
-    now: dt.datetime,
-    event: str = "reservation.placed",
-) -> None:
-    await conn.execute(
-        *mark_placed_statement(
-            reservation_id=reservation_id,
-            pool_id=pool_id,
-            outcome=outcome,
-            start=start,
-            end=end,
-            lease=lease,
-            now=now,
-            event=event,
-        )
-    )
-
-
 def mark_pending_statement(
     *,
     reservation_id: str,
@@ -307,26 +281,4 @@ def mark_pending_statement(
             first,
             jsonb(dict(quota_charge)) if quota_charge is not None else None,
         ),
-    )
-
-
-async def mark_pending(
-    conn: Conn,
-    *,
-    reservation_id: str,
-    pool_id: str,
-    message: str,
-    now: dt.datetime,
-    first: bool,
-    reason: str = states.Reason.NO_FIT,
-) -> None:
-    await conn.execute(
-        *mark_pending_statement(
-            reservation_id=reservation_id,
-            pool_id=pool_id,
-            message=message,
-            now=now,
-            first=first,
-            reason=reason,
-        )
     )

@@ -209,14 +209,15 @@ async def _apply(
         case lifecycle.Place():
             await _place(conn, row, reservation, step, now)
         case lifecycle.MarkPending(reason=reason, message=message, first=first):
-            await placing.mark_pending(
-                conn,
-                reservation_id=rid,
-                pool_id=row["pool_id"],
-                message=message,
-                now=now,
-                first=first,
-                reason=reason,
+            await conn.execute(
+                *placing.mark_pending_statement(
+                    reservation_id=rid,
+                    pool_id=row["pool_id"],
+                    message=message,
+                    now=now,
+                    first=first,
+                    reason=reason,
+                )
             )
         case lifecycle.StartBinding(deadline=deadline):
             await _start_binding(conn, row, deadline)
@@ -296,16 +297,17 @@ async def _place(
         end=step.end,
     )
     if isinstance(outcome, placement.Placed):
-        await placing.mark_placed(
-            conn,
-            reservation_id=row["id"],
-            pool_id=row["pool_id"],
-            outcome=outcome,
-            start=step.start,
-            end=step.end,
-            lease=step.lease,
-            now=now,
-            event=step.event,
+        await conn.execute(
+            *placing.mark_placed_statement(
+                reservation_id=row["id"],
+                pool_id=row["pool_id"],
+                outcome=outcome,
+                start=step.start,
+                end=step.end,
+                lease=step.lease,
+                now=now,
+                event=step.event,
+            )
         )
     else:
         after = lifecycle.after_no_fit(reservation, step, outcome.message, now=now)
