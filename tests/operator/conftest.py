@@ -105,7 +105,16 @@ async def apply_world(
             status=True,
         )
     await kube.wait_for(
-        GPUPOOLS, None, pool, lambda o: bool(o) and (o.get("status") or {}).get("nodes") == nodes
+        GPUPOOLS,
+        None,
+        pool,
+        # Both writers done: the pool handler (observedGeneration, Ready) and the node handlers
+        # (nodes); they run concurrently, in either order.
+        lambda o: (
+            bool(o)
+            and (o.get("status") or {}).get("nodes") == nodes
+            and (o.get("status") or {}).get("observedGeneration") is not None
+        ),
     )
     await _wait_atoms(db, count=nodes * gpus)
     return World(kube=kube, db=db, nodes=names)
