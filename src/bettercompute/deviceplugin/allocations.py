@@ -22,9 +22,9 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 
-from bettercompute.deviceplugin import devicefiles
 from bettercompute.deviceplugin.devicefiles import Allocation
 from bettercompute.deviceplugin.inventory import Inventory
+from bettercompute.kube.names import RESOURCE_NAMES
 
 
 class Phase(enum.Enum):
@@ -48,9 +48,9 @@ class Resource:
 
 
 RESOURCES = (
-    Resource(name="bcd.dev/gpu", device_class="gpu", socket_name="bcd-gpu.sock"),
-    Resource(name="bcd.dev/gpu.mig", device_class="mig", socket_name="bcd-gpu-mig.sock"),
-    Resource(name="bcd.dev/gpu.slot", device_class="slot", socket_name="bcd-gpu-slot.sock"),
+    Resource(name=RESOURCE_NAMES["gpu"], device_class="gpu", socket_name="bcd-gpu.sock"),
+    Resource(name=RESOURCE_NAMES["mig"], device_class="mig", socket_name="bcd-gpu-mig.sock"),
+    Resource(name=RESOURCE_NAMES["slot"], device_class="slot", socket_name="bcd-gpu-slot.sock"),
 )
 RESOURCE_BY_NAME = {resource.name: resource for resource in RESOURCES}
 
@@ -276,4 +276,4 @@ def inventory_problems(*, inventory: Inventory, allocation: Allocation) -> list[
 
 
 def resource_of(allocation: Allocation) -> Resource:
-    return RESOURCE_BY_NAME[devicefiles.RESOURCE_NAMES[allocation.device_class]]
+    return RESOURCE_BY_NAME[RESOURCE_NAMES[allocation.device_class]]

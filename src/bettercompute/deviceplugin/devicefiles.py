@@ -37,13 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bettercompute.kube.names import CDI_KIND, RESOURCE_NAMES
+
 CDI_VERSION = "0.6.0"  # spec-level annotations and the dot in a class need 0.6.0
-CDI_KIND = "bcd.dev/gpu"
 
 BINDINGS = ("hold", "kubernetes")
 DEVICE_CLASSES = ("gpu", "mig", "slot")
-#: The extended resource a ``kubernetes`` binding's devices are advertised as, by device class.
-RESOURCE_NAMES = {"gpu": "bcd.dev/gpu", "mig": "bcd.dev/gpu.mig", "slot": "bcd.dev/gpu.slot"}
 
 # Spec annotations: what the node needs to rebuild an allocation from its file.
 ANNOTATION_ALLOCATION = "bcd.dev/allocation-id"

@@ -29,3 +29,10 @@ FINALIZER = "bcd.dev/release"
 MUTABLE_SPEC = frozenset({"until", "extendBy", "extendKey", "release"})
 #: ``spec`` fields that are not part of the core's create request.
 NOT_THE_REQUEST = MUTABLE_SPEC | {"idempotencyKey"}
+
+#: The CDI kind of every device a node exposes: a pod's container sees ``bcd.dev/gpu=<id>``
+#: (a reservation's ``binding.cdiDevices``).
+CDI_KIND = "bcd.dev/gpu"
+#: The extended resource a ``kubernetes`` binding's devices are advertised as, by device class:
+#: what a pod asks for in ``resources.limits``.
+RESOURCE_NAMES = {"gpu": "bcd.dev/gpu", "mig": "bcd.dev/gpu.mig", "slot": "bcd.dev/gpu.slot"}
