@@ -308,3 +308,17 @@ async def test_fresh_is_refused_with_a_given_database(tmp_path: Path) -> None:
             port=0, state_dir=tmp_path / "s", fresh=True, database_url="postgresql:///nothing"
         ):
             pass
+
+
+async def test_a_node_key_others_can_read_stops_dev_with_one_line(state: Path) -> None:
+    async with running.started(port=0, sim=1, state_dir=state) as dev:
+        node = dev.nodes[0]
+        key = dev.node_root(node.id) / "node-key.pem"
+        assert key.stat().st_mode & 0o777 == 0o600
+    key.chmod(0o644)  # as a careless copy or restore leaves it
+    with pytest.raises(DevError) as refused:
+        async with running.started(port=0, sim=1, state_dir=state):
+            pass
+    message = str(refused.value)
+    assert message.startswith(f"simulated node {node.name}: node key {key}: readable by others")
+    assert "\n" not in message

@@ -62,7 +62,7 @@ from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
-from bettercompute.sim.agents import node_agent
+from bettercompute.sim.agents import NodeAgentError, node_agent
 
 log = logging.getLogger(__name__)
 
@@ -277,13 +277,16 @@ async def started(
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         node_service = NodeService(db)
         for node in nodes:
-            agent = node_agent(
-                node,
-                root=state / "nodes" / node.name,  # as Dev.node_root
-                desired=node_service,
-                reports=service,
-                retry_on=(StoreError, OSError),
-            )
+            try:
+                agent = node_agent(
+                    node,
+                    root=state / "nodes" / node.name,  # as Dev.node_root
+                    desired=node_service,
+                    reports=service,
+                    retry_on=(StoreError, OSError),
+                )
+            except NodeAgentError as e:
+                raise DevError(str(e)) from None
             tasks.append(supervising.restarting(agent.run, name=f"agent {node.name}"))
 
         async def ready() -> bool:

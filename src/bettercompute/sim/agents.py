@@ -36,7 +36,7 @@ from bettercompute.deviceplugin.inventory import (
     MigDevice,
     inventory_document,
 )
-from bettercompute.deviceplugin.signing import NodeKey
+from bettercompute.deviceplugin.signing import NodeKey, SigningError
 from bettercompute.kube import allocations
 from bettercompute.sim.inventories import SimNode
 
@@ -46,6 +46,10 @@ from bettercompute.sim.inventories import SimNode
 PASS_SECONDS = 0.3
 #: What a simulated GPU reports as its memory (the placer does not look at it).
 SIMULATED_MEMORY_MIB = 81_559
+
+
+class NodeAgentError(Exception):
+    """A simulated node's agent cannot start (its key or its folder); the message says why."""
 
 
 class DesiredState(Protocol):
@@ -155,9 +159,14 @@ def node_agent(
 ) -> Converger:
     """The real node agent's converger for ``node``, its files, inventory and key under
     ``root``. Writes the inventory file (it is the simulated hardware) and creates the key on
-    first use; ``run()`` it, or ``sync_once()`` step by step."""
-    root.mkdir(parents=True, exist_ok=True)
-    inventory_file = write_inventory(node, root / "inventory.json")
+    first use; ``run()`` it, or ``sync_once()`` step by step. ``NodeAgentError`` when the
+    folder cannot be written or the key cannot be used."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        inventory_file = write_inventory(node, root / "inventory.json")
+        key = NodeKey.load_or_create(root / "node-key.pem")
+    except (OSError, SigningError) as e:
+        raise NodeAgentError(f"simulated node {node.name}: {_said(e)}") from e
     return Converger(
         node_name=node.id,
         allocations=Allocations(),
@@ -166,7 +175,13 @@ def node_agent(
         pods=NoPods(),
         desired=ServiceDesired(node_id=node.id, service=desired),
         reporter=ServiceReporter(service=reports),
-        key=NodeKey.load_or_create(root / "node-key.pem"),
+        key=key,
         pass_seconds=pass_seconds,
         retry_on=retry_on,
     )
+
+
+def _said(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename or ''}: {error.strerror}".lstrip(": ")
+    return str(error)
