@@ -3,6 +3,7 @@ releasing real reservations through the real service on the test PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -16,6 +17,7 @@ from bettercompute.deviceplugin import devicefiles, signing
 from bettercompute.deviceplugin.converging import Converger
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.deviceplugin.inventory import FileInventory
+from bettercompute.service import backing
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
@@ -365,3 +367,54 @@ async def test_devices_missing_from_the_inventory_are_reported_failed_and_signed
     assert signing.verify(signature=failed["details"]["signature"], public_key=key)["phase"] == (
         "Failed"
     )
+
+
+async def _listening(db: Database) -> None:
+    """Until some session has run ``LISTEN`` (a NOTIFY sent before it would be lost)."""
+    async with asyncio.timeout(5):
+        while True:
+            async with db.connection() as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT count(*) AS n FROM pg_stat_activity WHERE query LIKE 'LISTEN %'"
+                    )
+                ).fetchone()
+            if row is not None and row["n"]:
+                return
+            await asyncio.sleep(0.02)
+
+
+async def test_a_change_wakes_the_agent_of_its_node_without_waiting_for_a_pass(
+    db: Database, service: ReservationService, tmp_path: Path
+) -> None:
+    node = await _world(db)
+    # No pass would come for ten minutes: only the wake-up can bind it in time.
+    agent = agents.node_agent(
+        node, root=tmp_path, desired=NodeService(db), reports=service, pass_seconds=600
+    )
+    wakeups = agents.Wakeups(nodes=NodeService(db), agents={node.id: agent})
+    tasks = [
+        asyncio.create_task(agent.run()),
+        asyncio.create_task(wakeups.run()),
+        asyncio.create_task(backing.reservation_changes(db, wakeups.changed)),
+    ]
+    try:
+        await _listening(db)
+        created = await service.create(caller(), CREATE)
+        await Reconciler(db).run_once()  # the start: binding, its allocation desired
+        async with asyncio.timeout(2.5):
+            while True:
+                async with db.connection() as conn:
+                    row = await (
+                        await conn.execute(
+                            "SELECT state FROM allocations WHERE reservation_id = %s",
+                            (created["id"],),
+                        )
+                    ).fetchone()
+                if row is not None and row["state"] == "bound":
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

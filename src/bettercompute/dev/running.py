@@ -53,6 +53,7 @@ from bettercompute.core.errors import StoreError
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
 from bettercompute.dev.config import ConfigError, LoadedConfig
+from bettercompute.deviceplugin.converging import Converger
 from bettercompute.iam.identities import StaticTokenAuthenticator
 from bettercompute.service import backing
 from bettercompute.service.backing import Database, EmbeddedPostgres
@@ -62,7 +63,7 @@ from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import inventories
-from bettercompute.sim.agents import NodeAgentError, node_agent
+from bettercompute.sim.agents import NodeAgentError, Wakeups, node_agent
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ async def started(
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         node_service = NodeService(db)
+        agents: dict[str, Converger] = {}
         for node in nodes:
             try:
                 agent = node_agent(
@@ -287,7 +289,15 @@ async def started(
                 )
             except NodeAgentError as e:
                 raise DevError(str(e)) from None
+            agents[node.id] = agent
             tasks.append(supervising.restarting(agent.run, name=f"agent {node.name}"))
+        wakeups = Wakeups(nodes=node_service, agents=agents)
+        tasks.append(supervising.restarting(wakeups.run, name="agent-wakeups"))
+        tasks.append(
+            supervising.restarting(
+                lambda: backing.reservation_changes(db, wakeups.changed), name="agent-hints"
+            )
+        )
 
         async def ready() -> bool:
             # Bounded well under a second: a probe must not wait on a database that is away.

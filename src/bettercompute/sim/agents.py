@@ -13,7 +13,9 @@ the Kubernetes API:
 - the inventory: a file written from the simulated node (``inventory.json`` under the node's
   root), read by the agent's ``FileInventory`` as on a node started with ``--inventory-file``;
 - the node key: ``node-key.pem`` under the node's root, created on first start;
-- pod holders: none (no kubelet in dev), so a release completes at once.
+- pod holders: none (no kubelet in dev), so a release completes at once;
+- wake-ups: ``Wakeups`` wakes the agents of a reservation's nodes when the store says it
+  changed, as the operator's watch wakes a real node's agent.
 
 What it must never do: decide anything itself (the converger does), write outside the node's
 root, or import the store: it sees the control plane through the service.
@@ -21,11 +23,13 @@ root, or import the store: it sees the control plane through the service.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from bettercompute.core.errors import StoreError
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.converging import Converger
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
@@ -101,6 +105,45 @@ class NoPods:
 
     async def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]:
         return []
+
+
+class NodesOf(Protocol):
+    """``service.nodes.NodeService``: the nodes a reservation has allocations on."""
+
+    async def nodes_of(self, reservation_id: str) -> list[str]: ...
+
+
+class Wakeups:
+    """Wakes the agents of the nodes a changed reservation has allocations on, so a start or
+    a release is acted on at once, not at the next pass (the store's change notifications
+    are hints: the passes still run, so a lost one costs at most a pass)."""
+
+    def __init__(self, *, nodes: NodesOf, agents: Mapping[str, Converger]) -> None:
+        self.nodes = nodes
+        self.agents = agents
+        self._changed: set[str] = set()
+        self._wake = asyncio.Event()
+
+    def changed(self, reservation_id: str) -> None:
+        """A reservation changed (called from the change listener)."""
+        self._changed.add(reservation_id)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Wake agents as hints arrive, until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            changed, self._changed = self._changed, set()
+            for reservation_id in sorted(changed):
+                try:
+                    node_ids = await self.nodes.nodes_of(reservation_id)
+                except StoreError:
+                    node_ids = list(self.agents)  # cannot tell which: wake every one
+                for node_id in node_ids:
+                    agent = self.agents.get(node_id)
+                    if agent is not None:
+                        agent.wake()
 
 
 def inventory_of(node: SimNode) -> Inventory:
