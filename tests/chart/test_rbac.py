@@ -49,7 +49,7 @@ EXPECTED = [
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
     ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
-    ("ClusterRole", OPERATOR, "", "events", None, "create", "kubeapi.py, kopf posting"),
+    ("ClusterRole", OPERATOR, "", "events", None, "create", "kube client, kopf posting"),
     ("ClusterRole", OPERATOR, "authentication.k8s.io", "tokenreviews", None, "create", "HTTP API"),
     (
         "ClusterRole",
