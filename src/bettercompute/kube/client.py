@@ -164,7 +164,14 @@ class KubeClient:
     def __init__(self, config: KubeConfig, *, timeout_s: float = TIMEOUT_SECONDS) -> None:
         # trust_env=False: a proxy or CA bundle from the environment must not change whom
         # the agent trusts; the kubeconfig says it.
-        self._client = AsyncClient(config, timeout=httpx2.Timeout(timeout_s), trust_env=False)
+        try:
+            self._client = AsyncClient(config, timeout=httpx2.Timeout(timeout_s), trust_env=False)
+        except (OSError, ConfigError, ValueError) as e:
+            # lightkube loads the CA and the client certificate here (ssl.SSLError is an
+            # OSError): a missing file or bad data is the configuration's fault, said once.
+            raise CredentialsError(
+                f"cannot load its TLS certificate authority or client certificate: {_said(e)}"
+            ) from e
         self._timeout_s = timeout_s
 
     @property
@@ -441,8 +448,13 @@ def _said(error: BaseException) -> str:
 
 
 def _b64(data: Any) -> str | None:
-    """kopf gives certificate data as PEM bytes or text; a kubeconfig wants base64."""
+    """Certificate data as a kubeconfig has it (base64 of the PEM), what lightkube reads.
+
+    kopf takes it in either form: PEM (text or bytes), or already base64, as
+    ``kopf.login_with_kubeconfig`` passes on a kubeconfig's ``*-data`` fields."""
     if not data:
         return None
     raw = data if isinstance(data, bytes) else str(data).encode()
-    return base64.b64encode(raw).decode()
+    if raw.lstrip().startswith(b"-----BEGIN "):
+        return base64.b64encode(raw).decode()
+    return raw.decode("ascii").strip()
