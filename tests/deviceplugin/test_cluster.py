@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bettercompute.deviceplugin.agent import started
+from bettercompute.deviceplugin.agent import AgentError, started
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.publishing import NodePublisher, parse_labels
 from bettercompute.deviceplugin.watching import AllocationObjects
@@ -127,6 +127,38 @@ def test_a_kubeconfig_it_cannot_use_is_a_clear_error(tmp_path: Path, document: s
     path.write_text(document)
     with pytest.raises(CredentialsError, match=problem):
         read_kubeconfig(path)
+
+
+@pytest.mark.parametrize(
+    "authority",
+    [
+        {"certificate-authority": "missing-ca.pem"},
+        {"certificate-authority-data": "bm90IGEgY2VydA=="},
+    ],
+)
+async def test_a_certificate_authority_it_cannot_load_stops_the_agent_with_one_line(
+    kubelet_node: Node, tmp_path: Path, authority: dict[str, str]
+):
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [
+                    {"name": "k", "cluster": {"server": "https://127.0.0.1:1", **authority}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+            }
+        )
+    )
+    settings = agents.agent_config(kube=None, node=kubelet_node, kubeconfig=config)
+    with pytest.raises(AgentError) as failed:
+        async with started(settings):
+            pass
+    said = str(failed.value)
+    assert said.startswith(f"kubeconfig {config} (context 'c'): cannot load its TLS certificate")
+    assert "\n" not in said
 
 
 async def test_a_kubeconfig_with_an_exec_plugin_authenticates_as_eks_gke_and_aks_do(
