@@ -56,7 +56,7 @@ T = TypeVar("T")
 
 
 class KubeError(Exception):
-    """A failed API call: the HTTP ``status`` (0: the server could not be reached)."""
+    """A failed API call: the HTTP ``status`` (0: no answer, or none in time)."""
 
     def __init__(self, *, status: int, reason: str, message: str) -> None:
         super().__init__(f"{status} {reason}: {message}" if status else message)
