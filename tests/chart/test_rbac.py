@@ -33,7 +33,7 @@ from tests.chart import authorizing, rendering
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, Node
 from tests.support import kubeworld
-from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS
 from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
@@ -49,7 +49,7 @@ EXPECTED = [
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
     ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
-    ("ClusterRole", OPERATOR, "", "events", None, "create", "kubeapi.py, kopf posting"),
+    ("ClusterRole", OPERATOR, "", "events", None, "create", "kube client, kopf posting"),
     ("ClusterRole", OPERATOR, "authentication.k8s.io", "tokenreviews", None, "create", "HTTP API"),
     (
         "ClusterRole",
@@ -255,6 +255,18 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         await operator.ready.wait()
         async with agent_started(node_config):
             await node.kubelet.wait_registered([GPU])
+            # The pool handler and the GPUNode handler both wrote (they race the agent's start):
+            # a reservation made before the pool is known is refused, pool not found.
+            await kube_api.wait_for(
+                GPUPOOLS,
+                None,
+                "h100",
+                lambda o: (
+                    bool(o)
+                    and (o.get("status") or {}).get("observedGeneration") is not None
+                    and (o.get("status") or {}).get("nodes") == 1
+                ),
+            )
             await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
             active = await kube_api.wait_for(RESERVATIONS, "ml", "train", _state("active"))
             allocation = await _allocation_of(kube_api, active["status"]["id"])

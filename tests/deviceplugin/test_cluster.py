@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import kmock
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bettercompute.deviceplugin.agent import started
+from bettercompute.deviceplugin.agent import AgentError, started
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.publishing import NodePublisher, parse_labels
 from bettercompute.deviceplugin.watching import AllocationObjects
@@ -26,6 +29,7 @@ from bettercompute.kube.client import (
     read_kubeconfig,
     server_of,
 )
+from bettercompute.kube.resources import DEVICE_ALLOCATIONS
 from bettercompute.kube.resources import GPUNODES as GPUNODES_RESOURCE
 from tests.deviceplugin import agents
 from tests.deviceplugin.agents import OPERATOR_NAMESPACE as NS
@@ -125,6 +129,38 @@ def test_a_kubeconfig_it_cannot_use_is_a_clear_error(tmp_path: Path, document: s
         read_kubeconfig(path)
 
 
+@pytest.mark.parametrize(
+    "authority",
+    [
+        {"certificate-authority": "missing-ca.pem"},
+        {"certificate-authority-data": "bm90IGEgY2VydA=="},
+    ],
+)
+async def test_a_certificate_authority_it_cannot_load_stops_the_agent_with_one_line(
+    kubelet_node: Node, tmp_path: Path, authority: dict[str, str]
+):
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [
+                    {"name": "k", "cluster": {"server": "https://127.0.0.1:1", **authority}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+            }
+        )
+    )
+    settings = agents.agent_config(kube=None, node=kubelet_node, kubeconfig=config)
+    with pytest.raises(AgentError) as failed:
+        async with started(settings):
+            pass
+    said = str(failed.value)
+    assert said.startswith(f"kubeconfig {config} (context 'c'): cannot load its TLS certificate")
+    assert "\n" not in said
+
+
 async def test_a_kubeconfig_with_an_exec_plugin_authenticates_as_eks_gke_and_aks_do(
     kube_api: KubeApi, tmp_path: Path
 ):
@@ -169,18 +205,88 @@ async def test_a_kubeconfig_with_an_exec_plugin_authenticates_as_eks_gke_and_aks
     async with KubeClient(loaded) as client:
         objects = AllocationObjects(client=client, namespace=NS, node_name=NODE)
         assert [s["allocationId"] for s in await objects.desired()] == ["alloc_e1"]
+        # ... and watches with it: a new allocation arrives through the watch.
+        woken = asyncio.Event()
+        task = asyncio.create_task(objects.follow(wake=woken.set))
+        try:
+            await kube_api.create(agents.device_allocation(allocation_spec("alloc_e2", ["GPU-1"])))
+            async with asyncio.timeout(3):
+                while objects.events < 1:
+                    woken.clear()
+                    await woken.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert [s["allocationId"] for s in await objects.desired()] == ["alloc_e1", "alloc_e2"]
     assert (tmp_path / "called-with").read_text().split() == [
         "eks",
         "get-token",
         "--cluster-name",
         "prod",
     ]
+    # The test's own create aside (it speaks to the stand-in with its own client), the agent
+    # only read: every read carries the plugin's token, the watch included.
+    requests = [r for r in list(kube_api.emulator)[served_before:] if r.method != kmock.method.POST]
+    assert any(request.params.get("watch") in ("true", "1") for request in requests), requests
     seen = [
         {k.lower(): v for k, v in request.headers.items()}.get("authorization")
-        for request in list(kube_api.emulator)[served_before:]
+        for request in requests
     ]
     assert seen
     assert all(header == "Bearer exec-token-42" for header in seen), seen
+
+
+async def test_a_credential_plugin_that_hangs_is_a_timeout_not_a_hang(
+    kube_api: KubeApi, tmp_path: Path
+):
+    plugin = tmp_path / "get-token"
+    plugin.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n")
+    plugin.chmod(0o755)
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": {"server": kube_api.url}}],
+                "users": [
+                    {
+                        "name": "u",
+                        "user": {
+                            "exec": {
+                                "apiVersion": "client.authentication.k8s.io/v1beta1",
+                                "command": str(plugin),
+                            }
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    loaded, _ = kube_config(kubeconfig=config, environ={})
+    try:
+        async with asyncio.timeout(5), KubeClient(loaded, timeout_s=0.5) as client:
+            with pytest.raises(KubeError) as failed:
+                await client.list(DEVICE_ALLOCATIONS, namespace=NS)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+    assert (failed.value.status, failed.value.reason) == (0, "Timeout")
+
+
+async def test_a_watch_that_goes_silent_ends_so_that_the_caller_resumes():
+    # A server that accepts the connection and never answers: what a network path that died
+    # without a reset looks like from the node.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        config, _ = kube_config(api_server=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started_at = asyncio.get_running_loop().time()
+        async with asyncio.timeout(5), KubeClient(config, timeout_s=0.3) as client:
+            events = [e async for e in client.watch(DEVICE_ALLOCATIONS, timeout_s=1)]
+    assert events == []
+    assert asyncio.get_running_loop().time() - started_at >= 1.3
 
 
 # --- DeviceAllocations -------------------------------------------------------------------------

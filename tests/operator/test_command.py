@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from typer.testing import CliRunner
 
 from bettercompute.operator.running import cli
@@ -57,3 +58,33 @@ def test_no_api_server_is_one_line(tmp_path: Path):
     )
     assert result.exit_code == 1
     assert "no Kubernetes API server" in result.output
+
+
+def test_a_certificate_authority_it_cannot_load_is_one_line(tmp_path: Path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [
+                    {
+                        "name": "k",
+                        "cluster": {
+                            "server": "https://127.0.0.1:1",
+                            "certificate-authority-data": "bm90IGEgY2VydA==",  # "not a cert"
+                        },
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+            }
+        )
+    )
+    result = CliRunner().invoke(
+        cli,
+        ["--database-url", "postgresql://x/y"],
+        env={"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), "BCD_API_SERVER": ""},
+    )
+    assert result.exit_code == 1
+    assert "Kubernetes API https://127.0.0.1:1: cannot load its TLS certificate" in result.output
+    assert "Traceback" not in result.output

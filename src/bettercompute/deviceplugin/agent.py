@@ -170,7 +170,10 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
         where,
     )
     async with contextlib.AsyncExitStack() as stack:
-        client = KubeClient(kube)
+        try:
+            client = KubeClient(kube)
+        except CredentialsError as e:
+            raise AgentError(f"{where}: {e}") from e
         stack.push_async_callback(client.close)
         registry = CollectorRegistry()
         objects = AllocationObjects(

@@ -20,19 +20,21 @@ The operator builds its configuration from the credentials kopf logged in with, 
 identity per program.
 
 What it must never do: retry on its own (a watch's reconnect from its last version aside), log
-a token, or let a lightkube or httpx error escape. Every failed call is a ``KubeError`` with the
-HTTP status (0 when nothing answered); the callers decide whether and when to retry.
+a token, wait without bound, or let a lightkube or httpx error escape. Every failed call is a
+``KubeError`` with the HTTP status (0 when nothing answered in time); the callers decide whether
+and when to retry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import datetime as dt
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
 import yaml
@@ -50,9 +52,11 @@ TIMEOUT_SECONDS = 10.0
 #: How long the server keeps one watch open before it ends it (the client then resumes).
 WATCH_TIMEOUT_SECONDS = 290
 
+T = TypeVar("T")
+
 
 class KubeError(Exception):
-    """A failed API call: the HTTP ``status`` (0: the server could not be reached)."""
+    """A failed API call: the HTTP ``status`` (0: no answer, or none in time)."""
 
     def __init__(self, *, status: int, reason: str, message: str) -> None:
         super().__init__(f"{status} {reason}: {message}" if status else message)
@@ -160,7 +164,15 @@ class KubeClient:
     def __init__(self, config: KubeConfig, *, timeout_s: float = TIMEOUT_SECONDS) -> None:
         # trust_env=False: a proxy or CA bundle from the environment must not change whom
         # the agent trusts; the kubeconfig says it.
-        self._client = AsyncClient(config, timeout=httpx2.Timeout(timeout_s), trust_env=False)
+        try:
+            self._client = AsyncClient(config, timeout=httpx2.Timeout(timeout_s), trust_env=False)
+        except (OSError, ConfigError, ValueError) as e:
+            # lightkube loads the CA and the client certificate here (ssl.SSLError is an
+            # OSError): a missing file or bad data is the configuration's fault, said once.
+            raise CredentialsError(
+                f"cannot load its TLS certificate authority or client certificate: {_said(e)}"
+            ) from e
+        self._timeout_s = timeout_s
 
     @property
     def server(self) -> str:
@@ -176,12 +188,26 @@ class KubeClient:
     async def close(self) -> None:
         await self._client.close()
 
+    async def _within(self, call: Awaitable[T]) -> T:
+        """``call``, given ``timeout_s`` in all: httpx bounds each connect, read and write, but
+        not a credential plugin that hangs (lightkube runs it before the request) nor the whole
+        call."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await call
+        except TimeoutError as e:
+            raise KubeError(
+                status=0,
+                reason="Timeout",
+                message=f"no answer from {self.server} within {self._timeout_s:g} s",
+            ) from e
+
     async def get(
         self, resource: Any, name: str, *, namespace: str | None = None
     ) -> dict[str, Any] | None:
         """The object, or ``None`` when it does not exist."""
         try:
-            return _plain(await self._client.get(resource, name, namespace=namespace))
+            return _plain(await self._within(self._client.get(resource, name, namespace=namespace)))
         except Exception as e:
             if _status(e) == 404:
                 return None
@@ -211,7 +237,11 @@ class KubeClient:
             listed = self._client.list(
                 resource, namespace=namespace, labels=dict(labels) if labels else None
             )
-            items = [_plain(obj) async for obj in listed]
+
+            async def every() -> builtins.list[dict[str, Any]]:
+                return [_plain(obj) async for obj in listed]
+
+            items = await self._within(every())
         except Exception as e:
             raise _error(e) from e
         try:
@@ -225,7 +255,7 @@ class KubeClient:
     ) -> dict[str, Any]:
         try:
             obj = resource.from_dict(dict(body))
-            created = await (
+            created = await self._within(
                 self._client.create(obj, namespace=namespace)  # type: ignore[call-overload]
                 if namespace is not None
                 else self._client.create(obj)
@@ -246,8 +276,10 @@ class KubeClient:
         """A JSON merge patch of the object (or of its ``status``); ``None`` when it is gone."""
         target = resource.Status if status else resource
         try:
-            patched = await self._client.patch(
-                target, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE
+            patched = await self._within(
+                self._client.patch(
+                    target, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE
+                )
             )
         except Exception as e:
             if _status(e) == 404:
@@ -258,7 +290,7 @@ class KubeClient:
     async def delete(self, resource: Any, name: str, *, namespace: str | None = None) -> bool:
         """``False`` when there was nothing to delete."""
         try:
-            await self._client.delete(resource, name, namespace=namespace)
+            await self._within(self._client.delete(resource, name, namespace=namespace))
         except Exception as e:
             if _status(e) == 404:
                 return False
@@ -276,23 +308,43 @@ class KubeClient:
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """(type, object) events from ``resource_version`` on, bookmarks included, until the
         connection fails: then ``KubeError`` (410 when the version is too old to resume).
-        The server ends each watch after ``timeout_s``; it is resumed from the last version."""
+
+        The server ends each watch after ``timeout_s`` and lightkube resumes it from the last
+        version. When nothing at all arrives for ``timeout_s`` plus the call timeout (a server
+        gone silent, a network path that died without a reset, a credential plugin that hangs)
+        the iteration ends, so that the caller resumes from its last version on a new
+        connection instead of waiting forever."""
 
         def give_up(_error: Exception, _count: int) -> OnErrorResult:
             return OnErrorResult(OnErrorAction.RAISE)
 
-        try:
-            async for kind, obj in self._client.watch(
+        events = aiter(
+            self._client.watch(
                 resource,
                 namespace=namespace,
                 labels=dict(labels) if labels else None,
                 resource_version=resource_version,
                 on_error=give_up,
                 server_timeout=timeout_s,
-            ):
+            )
+        )
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout_s + self._timeout_s) as quiet:
+                        kind, obj = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if quiet.expired():
+                        return
+                    raise
                 yield kind, _plain(obj)
         except Exception as e:
             raise _error(e) from e
+        finally:
+            if isinstance(events, AsyncGenerator):  # lightkube's is: end its request now
+                await events.aclose()
 
     async def post_event(
         self,
@@ -396,8 +448,13 @@ def _said(error: BaseException) -> str:
 
 
 def _b64(data: Any) -> str | None:
-    """kopf gives certificate data as PEM bytes or text; a kubeconfig wants base64."""
+    """Certificate data as a kubeconfig has it (base64 of the PEM), what lightkube reads.
+
+    kopf takes it in either form: PEM (text or bytes), or already base64, as
+    ``kopf.login_with_kubeconfig`` passes on a kubeconfig's ``*-data`` fields."""
     if not data:
         return None
     raw = data if isinstance(data, bytes) else str(data).encode()
-    return base64.b64encode(raw).decode()
+    if raw.lstrip().startswith(b"-----BEGIN "):
+        return base64.b64encode(raw).decode()
+    return raw.decode("ascii").strip()

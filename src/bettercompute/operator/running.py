@@ -36,7 +36,7 @@ from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
 from bettercompute.kube import names
-from bettercompute.kube.client import KubeClient, from_kopf
+from bettercompute.kube.client import CredentialsError, KubeClient, from_kopf
 from bettercompute.operator import certificates, handlers
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
@@ -150,7 +150,12 @@ async def started(
     """
     engine = policy or policy_engine(config)
     connection = connection_info(config)
+    try:
+        kube = KubeClient(from_kopf(connection))
+    except CredentialsError as e:
+        raise OperatorError(f"Kubernetes API {connection.server}: {e}") from e
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(kube.close)
         if db is None:
             try:
                 db = await backing.open_database(
@@ -165,8 +170,6 @@ async def started(
             db=db, policy=engine, budget=backing.budget_check(db)
         )
         stack.push_async_callback(service.close)
-        kube = KubeClient(from_kopf(connection))
-        stack.push_async_callback(kube.close)
         nodes = NodeService(db)
         objects = Objects()
         projector = Projector(service=service, nodes=nodes, kube=kube, objects=objects)
