@@ -53,6 +53,27 @@ async def client(kube_api: KubeApi) -> AsyncIterator[KubeClient]:
         yield opened
 
 
+def exec_kubeconfig(
+    folder: Path, *, server: str, plugin: Path, args: list[str] | None = None
+) -> Path:
+    """A kubeconfig whose user gets its token from ``plugin``, as EKS, GKE and AKS write them."""
+    exec_ = {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": str(plugin)}
+    if args:
+        exec_["args"] = args
+    config = folder / "kubeconfig"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"exec": exec_}}],
+            }
+        )
+    )
+    return config
+
+
 def publisher(client: KubeClient, **options) -> NodePublisher:
     return NodePublisher(client=client, node_name=NODE, registry=CollectorRegistry(), **options)
 
@@ -177,27 +198,11 @@ async def test_a_kubeconfig_with_an_exec_plugin_authenticates_as_eks_gke_and_aks
         "EOF\n"
     )
     plugin.chmod(0o755)
-    config = tmp_path / "kubeconfig"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "current-context": "eks",
-                "contexts": [{"name": "eks", "context": {"cluster": "stand-in", "user": "iam"}}],
-                "clusters": [{"name": "stand-in", "cluster": {"server": kube_api.url}}],
-                "users": [
-                    {
-                        "name": "iam",
-                        "user": {
-                            "exec": {
-                                "apiVersion": "client.authentication.k8s.io/v1beta1",
-                                "command": str(plugin),
-                                "args": ["eks", "get-token", "--cluster-name", "prod"],
-                            }
-                        },
-                    }
-                ],
-            }
-        )
+    config = exec_kubeconfig(
+        tmp_path,
+        server=kube_api.url,
+        plugin=plugin,
+        args=["eks", "get-token", "--cluster-name", "prod"],
     )
     await kube_api.create(agents.device_allocation(allocation_spec("alloc_e1", ["GPU-0"])))
     served_before = len(list(kube_api.emulator))
@@ -243,27 +248,7 @@ async def test_a_credential_plugin_that_hangs_is_a_timeout_not_a_hang(
     plugin = tmp_path / "get-token"
     plugin.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n")
     plugin.chmod(0o755)
-    config = tmp_path / "kubeconfig"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "current-context": "c",
-                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-                "clusters": [{"name": "k", "cluster": {"server": kube_api.url}}],
-                "users": [
-                    {
-                        "name": "u",
-                        "user": {
-                            "exec": {
-                                "apiVersion": "client.authentication.k8s.io/v1beta1",
-                                "command": str(plugin),
-                            }
-                        },
-                    }
-                ],
-            }
-        )
-    )
+    config = exec_kubeconfig(tmp_path, server=kube_api.url, plugin=plugin)
     loaded, _ = kube_config(kubeconfig=config, environ={})
     try:
         async with asyncio.timeout(5), KubeClient(loaded, timeout_s=0.5) as client:
