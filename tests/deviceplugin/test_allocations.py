@@ -18,6 +18,7 @@ from bettercompute.deviceplugin.allocations import (
 )
 from bettercompute.deviceplugin.devicefiles import Allocation
 from bettercompute.deviceplugin.serving import Refused, allocate_container, preferred_devices
+from bettercompute.kube.allocations import parse_spec
 from tests.deviceplugin.conftest import allocation_spec, inventory
 
 GPU = RESOURCE_BY_NAME["bcd.dev/gpu"]
@@ -25,7 +26,7 @@ SLOT = RESOURCE_BY_NAME["bcd.dev/gpu.slot"]
 
 
 def _allocation(allocation_id: str, devices: list[str], **kwargs: object) -> Allocation:
-    return Allocation.from_spec(allocation_spec(allocation_id, devices, **kwargs))  # type: ignore[arg-type]
+    return Allocation.from_spec(parse_spec(allocation_spec(allocation_id, devices, **kwargs)))  # type: ignore[arg-type]
 
 
 def _ids(allocations: Allocations, resource: object) -> list[str]:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
+from typing import Any
 
 import pytest
 
 from bettercompute.deviceplugin import devicefiles, signing
 from bettercompute.deviceplugin.devicefiles import Allocation
+from bettercompute.kube.allocations import parse_spec
+from bettercompute.kube.parsing import ShapeError
 from tests.deviceplugin.conftest import GPU, MIG, SLOT, Node, allocation_spec, inventory
 from tests.support import cdirules
 
@@ -119,7 +123,7 @@ async def test_a_restarted_plugin_rebuilds_from_the_desired_list_and_the_files(
         first = await node.reporter.wait_phase("alloc_held", "Releasing")
     # While the agent was down: one allocation vanished, and an old agent's file was left.
     node.delete("alloc_slots")
-    leaked = Allocation.from_spec(allocation_spec("alloc_leaked", ["GPU-3"]))
+    leaked = Allocation.from_spec(parse_spec(allocation_spec("alloc_leaked", ["GPU-3"])))
     node.files.write(leaked)
     node.plugin = node.make_plugin()
     node.reporter.statuses.clear()
@@ -241,3 +245,48 @@ async def test_a_bad_spec_is_reported_failed_and_writes_nothing(
     }  # fmt: skip
     await node.stream(GPU).wait_devices({})
     signing.verify(signature=failed["signature"], public_key=node.key.public_key)
+
+
+def _without(spec: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (allocation_spec("alloc_t", ["GPU-0"], until="2026-09-30T00:00:00Z"), "spec.until"),
+        (allocation_spec("alloc_t", ["GPU-0"], deviceIds=["GPU-0", 7]), "spec.deviceIds[1]"),
+        (_without(allocation_spec("alloc_t", ["GPU-0"]), "tenantId"), "spec.tenantId"),
+        (
+            allocation_spec("alloc_t", ["GPU-0"], limits={"cpuMillis": "lots"}),
+            "spec.limits.cpuMillis",
+        ),
+    ],
+    ids=["mistyped", "mistyped-item", "missing", "nested"],
+)
+async def test_a_spec_of_another_shape_is_failed_once_in_the_contracts_words(
+    running_node: Node, caplog: pytest.LogCaptureFixture, spec: dict[str, Any], field: str
+) -> None:
+    # The node reads a spec with the contract's own parser: the reason it reports is the one
+    # kube.allocations gives (the operator's wording of the same mistake), reported and logged
+    # once however many passes see it, and never a traceback.
+    node = running_node
+    caplog.set_level(logging.WARNING, logger="bettercompute.deviceplugin.converging")
+    with pytest.raises(ShapeError) as refused:
+        parse_spec(spec)
+    assert str(refused.value).startswith(f"{field}: ")
+    node.put(spec)
+    node.desired.specs["no-id"] = _without(allocation_spec("alloc_n", ["GPU-1"]), "allocationId")
+
+    failed = await node.reporter.wait_phase("alloc_t", "Failed")
+    for _ in range(3):
+        await node.plugin.converger.sync_once()  # type: ignore[union-attr]
+
+    assert failed["reason"] == str(refused.value)
+    assert node.reporter.phases("alloc_t") == ["Failed"]
+    assert set(node.reporter.statuses) == {"alloc_t"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w for w in warnings if "alloc_t" in w] == [f"alloc_t: cannot bind: {refused.value}"]
+    assert len([w for w in warnings if "without allocationId" in w]) == 1
+    assert not [r for r in caplog.records if r.exc_info]
+    assert node.files_on_disk() == []

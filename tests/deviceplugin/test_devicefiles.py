@@ -12,6 +12,8 @@ import pytest
 
 from bettercompute.deviceplugin import devicefiles
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
+from bettercompute.kube.allocations import parse_spec
+from bettercompute.kube.parsing import ShapeError
 from tests.deviceplugin.conftest import allocation_spec
 from tests.support import cdirules
 
@@ -26,7 +28,7 @@ SPECS = {
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
 def test_generated_specs_follow_the_cdi_rules(spec: dict[str, Any], tmp_path: Path) -> None:
-    allocation = Allocation.from_spec(spec)
+    allocation = Allocation.from_spec(parse_spec(spec))
     files = DeviceFiles(tmp_path)
     files.write(allocation)
     written = json.loads(files.cdi_path(allocation.allocation_id).read_text())
@@ -44,8 +46,8 @@ def test_generated_specs_follow_the_cdi_rules(spec: dict[str, Any], tmp_path: Pa
 def test_a_kubernetes_spec_is_marked_for_the_device_plugin_and_leaves_visibility_to_allocate(
     tmp_path: Path,
 ) -> None:
-    kubernetes = devicefiles.cdi_spec(Allocation.from_spec(SPECS["slot"]))
-    hold = devicefiles.cdi_spec(Allocation.from_spec(SPECS["gpu-hold"]))
+    kubernetes = devicefiles.cdi_spec(Allocation.from_spec(parse_spec(SPECS["slot"])))
+    hold = devicefiles.cdi_spec(Allocation.from_spec(parse_spec(SPECS["gpu-hold"])))
 
     assert kubernetes["annotations"][devicefiles.ANNOTATION_DEVICE_PLUGIN] == "bcd.dev/gpu.slot"
     assert kubernetes["containerEdits"]["env"] == ["BCD_ALLOCATION_ID=alloc_s"]
@@ -83,7 +85,7 @@ BROKEN: dict[str, tuple[Any, str]] = {
 
 @pytest.mark.parametrize(("break_it", "problem"), BROKEN.values(), ids=BROKEN.keys())
 def test_the_checker_catches_each_broken_rule(break_it: Any, problem: str) -> None:
-    spec = devicefiles.cdi_spec(Allocation.from_spec(SPECS["gpu-kubernetes"]))
+    spec = devicefiles.cdi_spec(Allocation.from_spec(parse_spec(SPECS["gpu-kubernetes"])))
     assert cdirules.problems(spec) == []
     break_it(spec)
 
@@ -98,8 +100,8 @@ def test_the_checker_catches_each_broken_rule(break_it: Any, problem: str) -> No
 def test_an_allocation_id_that_could_leave_the_directory_is_refused(
     bad: str, tmp_path: Path
 ) -> None:
-    with pytest.raises(DeviceFileError, match=r"spec\.allocationId"):
-        Allocation.from_spec(allocation_spec(bad, ["GPU-0"]))
+    with pytest.raises((ShapeError, DeviceFileError), match=r"spec\.allocationId"):
+        Allocation.from_spec(parse_spec(allocation_spec(bad, ["GPU-0"])))
     with pytest.raises(DeviceFileError):
         DeviceFiles(tmp_path).cdi_path(bad)
     assert list(tmp_path.iterdir()) == []
@@ -120,14 +122,16 @@ def test_an_allocation_id_that_could_leave_the_directory_is_refused(
     ],
 )
 def test_a_bad_spec_names_its_field(change: dict[str, Any], field: str) -> None:
-    with pytest.raises(DeviceFileError) as refused:
-        Allocation.from_spec({**allocation_spec("alloc_1", ["GPU-0"]), **change})
+    # A wrong type is the contract's shape refusing (ShapeError); a value a file name, a CDI
+    # name or an env file cannot take is the files' rules refusing (DeviceFileError).
+    with pytest.raises((ShapeError, DeviceFileError)) as refused:
+        Allocation.from_spec(parse_spec({**allocation_spec("alloc_1", ["GPU-0"]), **change}))
     assert str(refused.value).startswith(field)
 
 
 def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path: Path) -> None:
     files = DeviceFiles(tmp_path, cdi_dir=tmp_path / "etc-cdi", env_dir=tmp_path / "run")
-    allocation = Allocation.from_spec(SPECS["gpu-kubernetes"])
+    allocation = Allocation.from_spec(parse_spec(SPECS["gpu-kubernetes"]))
     files.write(allocation)
     files.write(allocation, releasing_since_ms=5)  # rewritten in place
 

@@ -6,17 +6,17 @@ devices, and tell the operator how it stands, signed with the node key. This cla
 against two ports, so the Kubernetes adapter (the lead's kopf handlers) stays a thin edge:
 
 - ``DesiredAllocations.desired()``: every DeviceAllocation ``spec`` addressed to this node, as a
-  dict in the contract's shape (``allocationId``, ``nodeName``, ``reservationId``, ``tenantId``,
-  ``class``, ``binding``, ``deviceIds``, ``parentGpus``, ``until``, ``limits``, ``release``).
+  dict in the contract's shape (``kube.allocations.AllocationSpec``, which parses it here).
   Objects with ``release: true`` stay in the list until they are deleted.
 - ``StatusReporter.report(allocation_id=…, status=…)``: write the contract's ``status``
-  (``nodeName``, ``phase``, ``cdiDevices``, ``envFile``, ``reason``, ``pods``, ``since``,
-  ``reportedAt``, ``signature``) onto the object whose ``spec.allocationId`` is that id.
+  (``kube.allocations.AllocationStatus``, which builds it here) onto the object whose
+  ``spec.allocationId`` is that id.
 
 Each pass (``sync_once``) is level-triggered. A spec to bind is checked (ids safe as file names,
 devices of its class in this node's inventory, no device owned by another allocation), its files
 are written, its devices advertised (a ``kubernetes`` binding) and ``Bound`` reported; a bad spec
-is reported ``Failed`` with the reason. On ``release: true``, or when an allocation vanished
+(one the contract's shape refuses, or a file or the kubelet would) is reported ``Failed`` with
+the field and the reason, and logged once. On ``release: true``, or when an allocation vanished
 from the list, its devices stop being advertised at once; then the kubelet's PodResources says
 which pods still hold them: while any does, ``Releasing`` with the pods and ``since``; once none
 does, the files are removed and ``Released`` reported. A kubelet that does not answer keeps the
@@ -52,6 +52,8 @@ from bettercompute.deviceplugin import inventory, signing
 from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, inventory_problems
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.deviceplugin.podresources import KubeletUnreachable, PodHolders
+from bettercompute.kube import allocations as shapes
+from bettercompute.kube.parsing import ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class Pass:
 class _Status:
     """A report before it is stamped and signed; equal statuses are reported once."""
 
-    phase: str
+    phase: shapes.Phase
     reservation_id: str
     cdi_devices: tuple[str, ...] = ()
     env_file: str | None = None
@@ -189,6 +191,8 @@ class Converger:
         done = Pass()
         to_bind: dict[str, Mapping[str, Any]] = {}
         to_release: dict[str, Mapping[str, Any] | None] = {}
+        # Which object a spec is and whether it is being released are read before the spec is
+        # parsed: a spec the shape refuses is still reported on (Failed) or released.
         for spec in await self.desired.desired():
             allocation_id = spec.get("allocationId") if isinstance(spec, Mapping) else None
             if not isinstance(allocation_id, str):
@@ -224,8 +228,8 @@ class Converger:
 
     async def _bind(self, allocation_id: str, spec: Mapping[str, Any], done: Pass) -> None:
         try:
-            allocation = Allocation.from_spec(spec)
-        except DeviceFileError as e:
+            allocation = Allocation.from_spec(shapes.parse_spec(spec))
+        except (ShapeError, DeviceFileError) as e:
             reservation = spec.get("reservationId")
             await self._fail(allocation_id, str(reservation or ""), str(e), done)
             return
@@ -323,8 +327,8 @@ class Converger:
         allocation = None if written is None else written.allocation
         since = None if written is None else written.releasing_since_ms
         if allocation is None and spec is not None:
-            with contextlib.suppress(DeviceFileError):  # a damaged file: trust the spec
-                allocation = Allocation.from_spec(spec)
+            with contextlib.suppress(ShapeError, DeviceFileError):  # a damaged file: trust the spec
+                allocation = Allocation.from_spec(shapes.parse_spec(spec))
         if allocation is None or self.allocations.conflicts(allocation):
             # Nothing says which devices it had (or they are another's now): nothing to wait
             # for, so the files only need to go.
@@ -414,17 +418,17 @@ class Converger:
         )
         await self.reporter.report(
             allocation_id=allocation_id,
-            status={
-                "nodeName": self.node_name,
-                "phase": status.phase,
-                "cdiDevices": list(status.cdi_devices),
-                "envFile": status.env_file,
-                "reason": status.reason,
-                "pods": list(status.pods),
-                "since": status.since,
-                "reportedAt": report.reported_at,
-                "signature": self.key.sign(report),
-            },
+            status=shapes.AllocationStatus(
+                nodeName=self.node_name,
+                phase=status.phase,
+                cdiDevices=list(status.cdi_devices),
+                envFile=status.env_file,
+                reason=status.reason,
+                pods=list(status.pods),
+                since=status.since,
+                reportedAt=report.reported_at,
+                signature=shapes.Signature.model_validate(self.key.sign(report)),
+            ).document(),
         )
         self._reported[allocation_id] = status
 

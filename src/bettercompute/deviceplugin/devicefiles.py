@@ -32,17 +32,18 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from bettercompute.kube.allocations import AllocationSpec, Binding, DeviceClass
 from bettercompute.kube.names import CDI_KIND, RESOURCE_NAMES
 
 CDI_VERSION = "0.6.0"  # spec-level annotations and the dot in a class need 0.6.0
 
-BINDINGS = ("hold", "kubernetes")
-DEVICE_CLASSES = ("gpu", "mig", "slot")
+BINDINGS: tuple[str, ...] = get_args(Binding)
+DEVICE_CLASSES: tuple[str, ...] = get_args(DeviceClass)
 
 # Spec annotations: what the node needs to rebuild an allocation from its file.
 ANNOTATION_ALLOCATION = "bcd.dev/allocation-id"
@@ -87,22 +88,22 @@ class Allocation:
         _check(self)
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> Allocation:
-        """From a DeviceAllocation's ``spec`` (docs/kubernetes.md); errors name ``spec.<field>``."""
-        return _build(
-            spec,
-            fields={
-                "allocation_id": "allocationId",
-                "reservation_id": "reservationId",
-                "tenant_id": "tenantId",
-                "device_class": "class",
-                "device_ids": "deviceIds",
-                "parent_gpus": "parentGpus",
-                "until_ms": "until",
-                "binding": "binding",
-            },
-            where="spec.",
-        )
+    def from_spec(cls, spec: AllocationSpec) -> Allocation:
+        """From a DeviceAllocation's ``spec``, parsed (``kube.allocations.parse_spec``): the
+        rules a file name, a CDI name or an env file adds; errors name ``spec.<field>``."""
+        try:
+            return cls(
+                allocation_id=spec.allocationId,
+                reservation_id=spec.reservationId,
+                tenant_id=spec.tenantId,
+                device_class=spec.device_class,
+                device_ids=tuple(spec.deviceIds),
+                parent_gpus=tuple(spec.parentGpus),
+                until_ms=spec.until,
+                binding=spec.binding,
+            )
+        except _FieldError as e:
+            raise DeviceFileError(f"spec.{_SPEC_FIELDS[e.attr]}: {e.reason}") from None
 
     @property
     def resource_name(self) -> str:
@@ -136,52 +137,17 @@ def visible_devices(
     return list(device_ids)
 
 
-def _build(item: Mapping[str, Any], *, fields: Mapping[str, str], where: str) -> Allocation:
-    """An ``Allocation`` from a mapping, each missing or mistyped field named as the caller
-    spelled it."""
-    if not isinstance(item, Mapping):
-        raise DeviceFileError(f"{where or 'allocation'}: must be a mapping")
-
-    def text(attr: str, *, default: str | None = None) -> str:
-        key = fields[attr]
-        value = item.get(key)
-        if value is None and default is not None:
-            return default
-        if not isinstance(value, str) or not value:
-            raise DeviceFileError(f"{where}{key}: must be a non-empty string, got {value!r}")
-        return value
-
-    def texts(attr: str, *, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
-        key = fields[attr]
-        value = item.get(key)
-        if value is None and default is not None:
-            return default
-        if not isinstance(value, list | tuple) or not value:
-            raise DeviceFileError(f"{where}{key}: must be a non-empty list, got {value!r}")
-        for i, entry in enumerate(value):
-            if not isinstance(entry, str):
-                raise DeviceFileError(f"{where}{key}[{i}]: must be a string, got {entry!r}")
-        return tuple(value)
-
-    until = item.get(fields["until_ms"])
-    if isinstance(until, bool) or not isinstance(until, int) or until < 0:
-        raise DeviceFileError(
-            f"{where}{fields['until_ms']}: must be epoch milliseconds, got {until!r}"
-        )
-    device_ids = texts("device_ids")
-    try:
-        return Allocation(
-            allocation_id=text("allocation_id"),
-            reservation_id=text("reservation_id"),
-            tenant_id=text("tenant_id"),
-            device_class=text("device_class"),
-            device_ids=device_ids,
-            parent_gpus=texts("parent_gpus", default=device_ids),
-            until_ms=until,
-            binding=text("binding", default="hold"),
-        )
-    except _FieldError as e:
-        raise DeviceFileError(f"{where}{fields[e.attr]}: {e.reason}") from None
+#: Where each of ``Allocation``'s fields comes from in a DeviceAllocation's ``spec``.
+_SPEC_FIELDS = {
+    "allocation_id": "allocationId",
+    "reservation_id": "reservationId",
+    "tenant_id": "tenantId",
+    "device_class": "class",
+    "device_ids": "deviceIds",
+    "parent_gpus": "parentGpus",
+    "until_ms": "until",
+    "binding": "binding",
+}
 
 
 class _FieldError(DeviceFileError):

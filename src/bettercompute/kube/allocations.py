@@ -4,8 +4,9 @@ Why here: the operator writes these objects from the service's desired allocatio
 their ``status`` back; the node agent reads the ``spec`` and writes the ``status``; ``dev`` runs
 the node agent in-process on the same shapes. The models are spelled as the CRD spells them
 (``crds/deviceallocations.yaml``; a test compares them field by field), ``class`` as in a
-Reservation's ``devices``. A status is input from a node: ``report`` parses it and a bad one
-raises ``ShapeError`` naming the field.
+Reservation's ``devices``. Each side parses what the other wrote: the node a spec with
+``parse_spec``, the operator a status with ``report``; a bad one raises ``ShapeError`` naming
+the field. The node builds its status with ``AllocationStatus.document``.
 
 What it must never do: I/O, read a clock, or import kopf or either program.
 """
@@ -34,6 +35,8 @@ class _Read(BaseModel):
 
 #: GPU UUIDs, MIG UUIDs or slot ids.
 DeviceId = Annotated[str, Field(min_length=1)]
+DeviceClass = Literal["gpu", "mig", "slot"]
+Binding = Literal["hold", "kubernetes"]
 
 
 class Limits(_Written):
@@ -49,16 +52,30 @@ class AllocationSpec(_Written):
     nodeName: str = Field(min_length=1, max_length=253)
     reservationId: str = Field(min_length=1, max_length=128)
     tenantId: str = Field(min_length=1, max_length=128)
-    device_class: Literal["gpu", "mig", "slot"] = Field(alias="class")
-    binding: Literal["hold", "kubernetes"]
+    device_class: DeviceClass = Field(alias="class")
+    binding: Binding
     deviceIds: list[DeviceId] = Field(min_length=1)
     parentGpus: list[DeviceId]
-    until: int = Field(ge=0)
+    # Strict: epoch milliseconds, never a numeric string or a boolean read as one.
+    until: int = Field(ge=0, strict=True)
     limits: Limits | None = None
     release: bool = False
 
     def document(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class _ReceivedLimits(Limits):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _ReceivedSpec(AllocationSpec):
+    """A spec as a node reads it: the known fields checked, those a newer operator adds
+    ignored (the node acts on what it knows)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    limits: _ReceivedLimits | None = None
 
 
 class Signature(_Read):
@@ -83,6 +100,12 @@ class AllocationStatus(_Read):
     since: int | None = None
     reportedAt: str | None = None
     signature: Signature | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The status as the node writes it, for a merge patch: every field, ``None`` included
+        (a ``None`` removes what an earlier report said, such as a bound allocation's
+        ``envFile`` once it fails)."""
+        return self.model_dump(mode="json")
 
 
 def allocation_name(allocation_id: str) -> str:
@@ -131,6 +154,12 @@ REPORT_KINDS = {
     "Releasing": "releasing",
     "Released": "released",
 }
+
+
+def parse_spec(raw: object) -> AllocationSpec:
+    """A spec the operator wrote, as a node reads it; ``ShapeError`` names the first bad field
+    (``spec.deviceIds[0]: …``)."""
+    return parsing.parse(_ReceivedSpec, raw, under="spec")
 
 
 def parse_status(raw: object) -> AllocationStatus:
