@@ -3,7 +3,8 @@ identity kopf logged in with: a ``kopf.ConnectionInfo`` becomes the kube client'
 whatever form kopf was given the certificates in.
 
 Checked over real mutual TLS: a small HTTPS server that trusts only a test CA and requires a
-client certificate signed by it.
+client certificate signed by it. In a pod kopf logs in with the service account's token, which
+the kubelet rotates: checked with a server that accepts one token at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from bettercompute.kube import resources
-from bettercompute.kube.client import KubeClient, from_kopf
+from bettercompute.kube.client import KubeClient, KubeError, from_kopf
+from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.running import connection_info, service_account_token
 
 
 @dataclass
@@ -150,3 +153,110 @@ async def test_the_operator_calls_the_api_as_kopf_logged_in(
     assert found is not None
     assert found["metadata"]["name"] == "team-a"
     assert cluster.callers == ["better-compute-operator"]
+
+
+@dataclass
+class TokenCluster:
+    url: str
+    port: int
+    ca: Pem
+    #: The one bearer token the server accepts now.
+    accepted: list[str]
+    #: Every Authorization header the server saw, in order.
+    seen: list[str]
+
+
+@pytest.fixture
+async def token_cluster(tmp_path: Path) -> AsyncIterator[TokenCluster]:
+    ca, ca_pem = _issue("test-ca")
+    _, server_pem = _issue("127.0.0.1", issuer=ca)
+    accepted = ["first"]
+    seen: list[str] = []
+
+    async def namespace(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        header = request.headers.get("Authorization", "")
+        seen.append(header)
+        if header != f"Bearer {accepted[0]}":
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 401}
+            return aiohttp.web.json_response({**status, "reason": "Unauthorized"}, status=401)
+        name = request.match_info["name"]
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+        return aiohttp.web.json_response(body)
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/api/v1/namespaces/{name}", namespace)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served = tmp_path / "server"
+    served.mkdir()
+    (served / "tls.crt").write_bytes(server_pem.cert)
+    (served / "tls.key").write_bytes(server_pem.key)
+    tls.load_cert_chain(served / "tls.crt", served / "tls.key")
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield TokenCluster(
+            url=f"https://127.0.0.1:{port}", port=port, ca=ca_pem, accepted=accepted, seen=seen
+        )
+    finally:
+        await runner.cleanup()
+
+
+async def test_in_a_pod_the_operator_follows_its_rotated_service_account_token(
+    token_cluster: TokenCluster, tmp_path: Path
+):
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("first\n")
+    (account / "ca.crt").write_bytes(token_cluster.ca.cert)
+    (account / "namespace").write_text("better-compute")
+    environ = {
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+        "KUBERNETES_SERVICE_PORT": str(token_cluster.port),
+    }
+    config = OperatorConfig(database_url="postgresql://unused")
+
+    info = connection_info(config, service_account_dir=account, environ=environ)
+    assert (info.server, info.token, info.default_namespace) == (
+        token_cluster.url,
+        "first",
+        "better-compute",
+    )
+    token_file = service_account_token(config, account)
+    assert token_file == account / "token"
+    async with (
+        KubeClient(from_kopf(info, token_file=token_file)) as kube,
+        KubeClient(from_kopf(info)) as kept_copy,
+    ):
+        assert await kube.get(resources.NAMESPACES, "team-a") is not None
+        assert await kept_copy.get(resources.NAMESPACES, "team-a") is not None
+
+        # The kubelet writes a new token; the server stops accepting the old one.
+        (account / "token").write_text("second\n")
+        token_cluster.accepted[0] = "second"
+        token_cluster.seen.clear()
+        found = await kube.get(resources.NAMESPACES, "team-b")
+        assert found is not None
+        assert found["metadata"]["name"] == "team-b"
+        # Refused once with the old token, then read again from the file.
+        assert token_cluster.seen == ["Bearer first", "Bearer second"]
+        # A copy of the token taken at start (what the operator kept before) fails for good.
+        with pytest.raises(KubeError) as refused:
+            await kept_copy.get(resources.NAMESPACES, "team-b")
+        assert refused.value.status == 401
+
+    # kopf, refused too, logs in again and gets the new token.
+    again = connection_info(config, service_account_dir=account, environ=environ)
+    assert again.token == "second"
+
+
+def test_an_explicit_api_server_wins_over_the_service_account(tmp_path: Path):
+    (tmp_path / "token").write_text("pod-token")
+    config = OperatorConfig(
+        database_url="postgresql://unused", api_server="http://127.0.0.1:1", api_token="given"
+    )
+    assert service_account_token(config, tmp_path) is None
+    info = connection_info(config, service_account_dir=tmp_path, environ={})
+    assert (info.server, info.token) == ("http://127.0.0.1:1", "given")

@@ -17,7 +17,7 @@ Credentials for the node agent (``kube_config``), in this order:
 4. ``~/.kube/config`` when it exists.
 
 The operator builds its configuration from the credentials kopf logged in with, so there is one
-identity per program.
+identity per program (in a pod, its token read from the service account's file, as here).
 
 What it must never do: retry on its own (a watch's reconnect from its last version aside), log
 a token, wait without bound, or let a lightkube or httpx error escape. Every failed call is a
@@ -90,14 +90,10 @@ def kube_config(
         return read_kubeconfig(named)
     token_file = service_account_dir / "token"
     if token_file.is_file():
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-        server = IN_CLUSTER_SERVER
-        if host:
-            shown = f"[{host}]" if ":" in host else host
-            server = f"https://{shown}:{port or 443}"
         ca_file = service_account_dir / "ca.crt"
         cluster = Cluster(
-            server=server, certificate_auth=str(ca_file) if ca_file.is_file() else None
+            server=in_cluster_server(env),
+            certificate_auth=str(ca_file) if ca_file.is_file() else None,
         )
         config = KubeConfig.from_one(cluster=cluster, user=User(token_file=str(token_file)))
         return config, f"the service account in {service_account_dir}"
@@ -108,6 +104,16 @@ def kube_config(
         "no Kubernetes API server: run in a pod with a service account, set KUBECONFIG or "
         "--kubeconfig, or give --api-server"
     )
+
+
+def in_cluster_server(environ: Mapping[str, str]) -> str:
+    """The API server as a pod sees it: ``$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``
+    (what client-go uses), else the cluster DNS name."""
+    host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
+    if not host:
+        return IN_CLUSTER_SERVER
+    shown = f"[{host}]" if ":" in host else host
+    return f"https://{shown}:{port or 443}"
 
 
 def read_kubeconfig(path: Path) -> tuple[KubeConfig, str]:
@@ -137,9 +143,13 @@ def server_of(config: KubeConfig) -> str:
     return "" if current is None else str(current.cluster.server)
 
 
-def from_kopf(info: Any) -> KubeConfig:
+def from_kopf(info: Any, *, token_file: Path | None = None) -> KubeConfig:
     """The configuration for the credentials kopf logged in with (a ``kopf.ConnectionInfo``;
-    typed ``Any`` so this package never imports kopf)."""
+    typed ``Any`` so this package never imports kopf).
+
+    ``token_file``: the file kopf read its token from (a pod's service account). The client
+    then reads the token from it, and again when the server refuses it: the kubelet rotates
+    that token, and a copy taken at start stops working when it expires."""
     cluster = Cluster(
         server=str(info.server).rstrip("/"),
         certificate_auth=info.ca_path,
@@ -147,7 +157,8 @@ def from_kopf(info: Any) -> KubeConfig:
         insecure=bool(info.insecure),
     )
     user = User(
-        token=info.token or None,
+        token=None if token_file else info.token or None,
+        token_file=str(token_file) if token_file else None,
         username=info.username or None,
         password=info.password or None,
         client_cert=info.certificate_path,

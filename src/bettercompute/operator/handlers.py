@@ -59,7 +59,7 @@ def make_registry() -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
-        return _runtime(memo).connection
+        return _runtime(memo).login()
 
     # --- indexes: what handlers need to know about other objects ----------------------------
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,7 +37,13 @@ from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
 from bettercompute.kube import names
-from bettercompute.kube.client import CredentialsError, KubeClient, from_kopf
+from bettercompute.kube.client import (
+    SERVICE_ACCOUNT_DIR,
+    CredentialsError,
+    KubeClient,
+    from_kopf,
+    in_cluster_server,
+)
 from bettercompute.operator import certificates, handlers
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
@@ -71,8 +78,17 @@ class Operator:
     ready: asyncio.Event
 
 
-def connection_info(config: OperatorConfig) -> kopf.ConnectionInfo:
-    """An explicit API server, else the pod's service account, else ``$KUBECONFIG``."""
+def connection_info(
+    config: OperatorConfig,
+    *,
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+    environ: Mapping[str, str] | None = None,
+) -> kopf.ConnectionInfo:
+    """An explicit API server, else the pod's service account, else ``$KUBECONFIG``.
+
+    kopf calls it again each time the API refuses its token, so the service account's token is
+    read from its file each time: the kubelet rotates it, and a copy kept from the start would
+    fail for good once it expires (kopf gives up on a token it saw refused)."""
     if config.api_server:
         return kopf.ConnectionInfo(
             server=config.api_server,
@@ -80,16 +96,32 @@ def connection_info(config: OperatorConfig) -> kopf.ConnectionInfo:
             scheme="Bearer" if config.api_token else None,
             default_namespace=config.namespace,
         )
-    settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
+    token_file = service_account_token(config, service_account_dir)
+    if token_file is not None:
+        ca_file = service_account_dir / "ca.crt"
+        namespace_file = service_account_dir / "namespace"
+        namespace = namespace_file.read_text().strip() if namespace_file.is_file() else ""
+        return kopf.ConnectionInfo(
+            server=in_cluster_server(os.environ if environ is None else environ),
+            ca_path=str(ca_file) if ca_file.is_file() else None,
+            token=token_file.read_text().strip() or None,
+            default_namespace=namespace or None,
+        )
+    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
     if info is None:
         raise OperatorError(
             "no Kubernetes API server: run in a pod with a service account, set KUBECONFIG, "
             "or give --api-server"
         )
     return info
+
+
+def service_account_token(
+    config: OperatorConfig, service_account_dir: Path = SERVICE_ACCOUNT_DIR
+) -> Path | None:
+    """The pod's token file, when the operator logs in with it."""
+    token_file = service_account_dir / "token"
+    return token_file if not config.api_server and token_file.is_file() else None
 
 
 def policy_engine(config: OperatorConfig) -> policies.CedarPolicyEngine:
@@ -151,7 +183,7 @@ async def started(
     engine = policy or policy_engine(config)
     connection = connection_info(config)
     try:
-        kube = KubeClient(from_kopf(connection))
+        kube = KubeClient(from_kopf(connection, token_file=service_account_token(config)))
     except CredentialsError as e:
         raise OperatorError(f"Kubernetes API {connection.server}: {e}") from e
     async with contextlib.AsyncExitStack() as stack:
@@ -182,7 +214,7 @@ async def started(
         )
         runtime = Runtime(
             config=config,
-            connection=connection,
+            login=functools.partial(connection_info, config),
             service=service,
             clusters=clusters,
             nodes=nodes,

@@ -9,6 +9,7 @@ Data only: built and started by ``running``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import kopf
@@ -27,7 +28,8 @@ from bettercompute.service.reservations import ReservationService
 @dataclass
 class Runtime:
     config: OperatorConfig
-    connection: kopf.ConnectionInfo
+    #: kopf's credentials, read again each time kopf logs in (``running.connection_info``).
+    login: Callable[[], kopf.ConnectionInfo]
     service: ReservationService
     clusters: ClusterService
     nodes: NodeService
