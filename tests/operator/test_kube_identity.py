@@ -10,6 +10,7 @@ the kubelet rotates: checked with a server that accepts one token at a time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import ipaddress
 import ssl
@@ -97,6 +98,17 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     app.router.add_get("/api/v1/namespaces/{name}", namespace)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca_pem.cert.decode())
     tls.verify_mode = ssl.CERT_REQUIRED
+    async with _serving(app, tls, server_pem, tmp_path) as port:
+        yield Cluster(
+            url=f"https://127.0.0.1:{port}", ca=ca_pem, operator=operator_pem, callers=callers
+        )
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    app: aiohttp.web.Application, tls: ssl.SSLContext, server_pem: Pem, tmp_path: Path
+) -> AsyncIterator[int]:
+    """``app`` over HTTPS on a free loopback port with ``server_pem``; yields the port."""
     served = tmp_path / "server"
     served.mkdir()
     (served / "tls.crt").write_bytes(server_pem.cert)
@@ -106,11 +118,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     await runner.setup()
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        yield Cluster(
-            url=f"https://127.0.0.1:{port}", ca=ca_pem, operator=operator_pem, callers=callers
-        )
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
 
@@ -186,22 +195,10 @@ async def token_cluster(tmp_path: Path) -> AsyncIterator[TokenCluster]:
     app = aiohttp.web.Application()
     app.router.add_get("/api/v1/namespaces/{name}", namespace)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    served = tmp_path / "server"
-    served.mkdir()
-    (served / "tls.crt").write_bytes(server_pem.cert)
-    (served / "tls.key").write_bytes(server_pem.key)
-    tls.load_cert_chain(served / "tls.crt", served / "tls.key")
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with _serving(app, tls, server_pem, tmp_path) as port:
         yield TokenCluster(
             url=f"https://127.0.0.1:{port}", port=port, ca=ca_pem, accepted=accepted, seen=seen
         )
-    finally:
-        await runner.cleanup()
 
 
 async def test_in_a_pod_the_operator_follows_its_rotated_service_account_token(
