@@ -36,3 +36,30 @@ CDI_KIND = "bcd.dev/gpu"
 #: The extended resource a ``kubernetes`` binding's devices are advertised as, by device class:
 #: what a pod asks for in ``resources.limits``.
 RESOURCE_NAMES = {"gpu": "bcd.dev/gpu", "mig": "bcd.dev/gpu.mig", "slot": "bcd.dev/gpu.slot"}
+
+#: A pod names the Reservation (in its own namespace) whose devices it uses with this label;
+#: the same key labels a DeviceAllocation with its reservation's id.
+POD_RESERVATION_LABEL = RESERVATION_LABEL
+#: The pod webhook records the pod's original device requests here (JSON) when it rewrites them.
+ORIGINAL_RESOURCES = "bcd.dev/original-resources"
+#: Every resource a pool in ``reservation`` pod-access mode advertises starts with this prefix.
+RESERVATION_RESOURCE_PREFIX = "bcd.dev/rsv-"
+#: How many characters of a reservation id's body the resource name keeps: 24 base32
+#: characters are 120 bits, and ``rsv-`` + 24 stays far inside a qualified name's 63.
+_RESOURCE_ID_CHARS = 24
+
+
+def reservation_resource_name(reservation_id: str) -> str:
+    """The extended resource a ``reservation``-mode allocation is advertised as:
+    ``rsv_abcd…`` → ``bcd.dev/rsv-abcd…`` (a qualified name of at most 28 characters)."""
+    body = reservation_id.removeprefix("rsv_").lower()
+    body = "".join(c for c in body if c.isascii() and c.isalnum())[:_RESOURCE_ID_CHARS]
+    if not body:
+        raise ValueError(f"reservation id {reservation_id!r} has no characters to name it by")
+    return RESERVATION_RESOURCE_PREFIX + body
+
+
+#: The CertificateSigningRequest signer the operator answers for node certificates.
+NODE_REPORT_SIGNER = "bcd.dev/node-report"
+#: The GPUNode condition a node agent sets when something besides bcd can hand its GPUs out.
+FOREIGN_GPU_EXPOSURE = "ForeignGpuExposure"
