@@ -93,6 +93,10 @@ ANONYMOUS = {"username": "system:anonymous", "groups": ["system:unauthenticated"
 
 _MISSING = object()  # no value at a path (unlike None, which is JSON null)
 _ROOT_FIELDS = ("apiVersion", "kind", "metadata")  # every object has them; never pruned
+_RULES_NOT_CHECKED = (
+    'Invalid value: "null": some validation rules were not checked because the object was'
+    " invalid; correct the existing errors to complete validation"
+)
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]")
 
 
@@ -204,7 +208,12 @@ class Chain:
         found = crdschema.validate(checked, _with_implicit_root(schema))
         errors = [_from_schema(text, checked) for text in found]
         old_checked = old if old is not None and self.write.operation == "UPDATE" else None
-        errors += _rule_errors(checked, old_checked, schema, "")
+        blocking = {"FieldValueRequired", "FieldValueTypeInvalid"}
+        if any(e.reason in blocking for e in errors):
+            # As the API server: rules are not run on an object of the wrong shape.
+            errors.append(_FieldError("<nil>", "FieldValueInvalid", _RULES_NOT_CHECKED))
+        else:
+            errors += _rule_errors(checked, old_checked, schema, "")
         if old_checked is not None:
             # Ratcheting: what this write did not change may stay as it was.
             errors = [e for e in errors if e.transition or _changed(checked, old_checked, e.path)]
