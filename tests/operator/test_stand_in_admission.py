@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
+import datetime
+import ipaddress
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
 import helm_python
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from bettercompute.operator.running import Operator
 from tests.chart import rendering
@@ -113,21 +122,54 @@ class Hooks:
         return aiohttp.web.json_response({**body, "response": response})
 
 
-@pytest.fixture
-async def hooks() -> AsyncIterator[Hooks]:
+@contextlib.asynccontextmanager
+async def serving(tls: ssl.SSLContext | None = None) -> AsyncIterator[Hooks]:
     served = Hooks()
     app = aiohttp.web.Application()
     app.router.add_post("/{path}", served.serve)
     runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
     port = runner.addresses[0][1]
-    served.url = f"http://127.0.0.1:{port}"
+    served.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
         yield served
     finally:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def hooks() -> AsyncIterator[Hooks]:
+    async with serving() as served:
+        yield served
+
+
+def certificate(
+    name: str, *, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A CA (no issuer) or a server certificate for 127.0.0.1 signed by ``issuer``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer[0].subject if issuer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is not None:
+        address = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+        builder = builder.add_extension(x509.SubjectAlternativeName([address]), critical=False)
+    return builder.sign(issuer[1] if issuer else key, hashes.SHA256()), key
+
+
+def pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def allow(**extra: Any) -> Answer:
@@ -532,6 +574,40 @@ async def test_a_service_reference_goes_where_the_test_maps_it(
     mapped = await client.create(thing("t1"))
     assert mapped.status_code == 400
     assert mapped.json()["message"].endswith("denied the request: from the service")
+
+
+async def test_an_https_webhook_is_trusted_only_through_its_ca_bundle(
+    api: KubeApi, client: Client, tmp_path: Path
+) -> None:
+    ca = certificate("webhook-ca")
+    server, server_key = certificate("127.0.0.1", issuer=ca)
+    stranger_ca, _ = certificate("another-ca")
+    (tmp_path / "server.pem").write_bytes(pem(server))
+    (tmp_path / "server.key").write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(tmp_path / "server.pem", tmp_path / "server.key")
+    async with serving(tls) as secure:
+        secure.answers["tls"] = deny("over TLS")
+        target = f"{secure.url}/tls"
+        wrong = {"url": target, "caBundle": base64.b64encode(pem(stranger_ca)).decode()}
+        await client.register(configuration("Validating", "v", hook("tls.test", wrong)))
+        refused = await client.create(thing("t1"))
+        assert refused.status_code == 500  # the server's certificate is not the bundle's
+        assert 'failed calling webhook "tls.test"' in refused.json()["message"]
+        assert "tls" not in secure.seen
+
+        right = {"url": target, "caBundle": base64.b64encode(pem(ca[0])).decode()}
+        await client.register(configuration("Validating", "w", hook("tls2.test", right)))
+        assert (await client.send("DELETE", VALIDATING_WEBHOOKS.path(name="v"))).is_success
+        answered = await client.create(thing("t1"))
+        assert answered.status_code == 400
+        assert answered.json()["message"].endswith("denied the request: over TLS")
 
 
 # --- the CRD's schema and rules ---------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The admission webhooks as the Kubernetes API server calls them: AdmissionReview JSON over HTTP.
 
-Why it exists: kmock calls no webhooks, so every other operator test stamps Reservations by
-hand. Here the real operator's kopf webhook server (plain HTTP on loopback, see
-``running.kopf_settings``) gets ``admission.k8s.io/v1`` reviews on ``/stamp`` (mutating) and
-``/check`` (validating), and the answers are read the way the API server reads them: the
-``response.uid`` echoed, ``allowed``, a base64 ``JSONPatch``, ``status.message``/``code``.
+Why it exists: most operator tests register no webhook configurations with the stand-in and
+stamp Reservations by hand (``tests/operator/test_stand_in_admission.py`` runs these webhooks
+through the stand-in's admission chain). Here the real operator's kopf webhook server (plain
+HTTP on loopback, see ``running.kopf_settings``) gets ``admission.k8s.io/v1`` reviews on
+``/stamp`` (mutating) and ``/check`` (validating), and the answers are read the way the API
+server reads them: the ``response.uid`` echoed, ``allowed``, a base64 ``JSONPatch``,
+``status.message``/``code``.
 
 What it must never do: call the webhook functions directly; the wire is what is under test.
 """

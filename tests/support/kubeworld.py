@@ -142,7 +142,8 @@ class ReservationBuilder:
         return self
 
     def by(self, user: str, *groups: str) -> ReservationBuilder:
-        """Stamped as the mutating webhook would for ``user`` (kmock calls no webhooks)."""
+        """Stamped as the mutating webhook would for ``user`` (the stand-in calls webhooks
+        only where a test registers their configurations)."""
         annotations = self._obj["metadata"]["annotations"]
         annotations[names.REQUESTED_BY] = user
         annotations[names.REQUESTED_BY_GROUPS] = json.dumps(sorted(groups))
