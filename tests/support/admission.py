@@ -493,7 +493,14 @@ def _program(expression: str) -> celpy.Runner:
 
 def evaluate(expression: str, variables: Mapping[str, Any]) -> Any:
     """``expression`` (CEL) with JSON ``variables``, as plain Python; raises on any error."""
-    activation = {name: adapter.json_to_cel(value) for name, value in variables.items()}
+    return _evaluated(expression, json.dumps(variables, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _evaluated(expression: str, variables: str) -> Any:
+    # CEL is pure and celpy interprets slowly (a millisecond a rule): an operator rewrites the
+    # same spec many times (finalizers, annotations), so the same rule meets the same values.
+    activation = {name: adapter.json_to_cel(value) for name, value in json.loads(variables).items()}
     result = _program(expression).evaluate(activation)
     if isinstance(result, celpy.CELEvalError):
         raise result
