@@ -344,13 +344,14 @@ async def test_a_refusal_answers_with_the_webhooks_code_and_message_and_stores_n
 
     assert response.status_code == 403
     body = response.json()
-    assert body["kind"] == "Status"
+    assert (body["kind"], body["reason"]) == ("Status", "Forbidden")
     assert body["message"] == 'admission webhook "no.test" denied the request: no things today'
     assert api.stored(THINGS, "ns1", "t1") is None
 
     await client.register(configuration("Mutating", "m", hook("mute.test", url(hooks, "mute"))))
     response = await client.create(thing("t2"))
     assert response.status_code == 400
+    assert response.json()["reason"] == "BadRequest"
     assert response.json()["message"] == (
         'admission webhook "mute.test" denied the request without explanation'
     )
@@ -715,6 +716,16 @@ async def test_an_update_may_keep_what_the_schema_refuses_but_not_change_it(
     resize = await client.patch_thing("old", {"spec": {"size": 60}})
     assert resize.status_code == 422
     assert resize.json()["details"]["causes"][0]["field"] == "spec.size"
+
+    # A required field missing since then: an unchanged spec may stay without it.
+    bare = thing("bare")
+    del bare["spec"]["size"]
+    api.emulator.put_raw(THINGS, bare)
+    relabel = await client.patch_thing("bare", {"metadata": {"labels": {"seen": "yes"}}})
+    assert relabel.status_code == 200, relabel.text
+    recolour = await client.patch_thing("bare", {"spec": {"colour": "red"}})
+    assert recolour.status_code == 422
+    assert recolour.json()["details"]["causes"][0]["field"] == "spec.size"
 
 
 # --- the real operator's Reservation webhooks, registered from the chart ---------------------

@@ -97,6 +97,7 @@ _RULES_NOT_CHECKED = (
     'Invalid value: "null": some validation rules were not checked because the object was'
     " invalid; correct the existing errors to complete validation"
 )
+_REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 422: "Invalid"}
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]")
 
 
@@ -208,15 +209,19 @@ class Chain:
         found = crdschema.validate(checked, _with_implicit_root(schema))
         errors = [_from_schema(text, checked) for text in found]
         old_checked = old if old is not None and self.write.operation == "UPDATE" else None
-        blocking = {"FieldValueRequired", "FieldValueTypeInvalid"}
-        if any(e.reason in blocking for e in errors):
+
+        def ratcheted(found: list[_FieldError]) -> list[_FieldError]:
+            # Ratcheting: what this write did not change may stay as it was.
+            if old_checked is None:
+                return found
+            return [e for e in found if e.transition or _changed(checked, old_checked, e.path)]
+
+        errors = ratcheted(errors)
+        if any(e.reason in ("FieldValueRequired", "FieldValueTypeInvalid") for e in errors):
             # As the API server: rules are not run on an object of the wrong shape.
             errors.append(_FieldError("<nil>", "FieldValueInvalid", _RULES_NOT_CHECKED))
         else:
-            errors += _rule_errors(checked, old_checked, schema, "")
-        if old_checked is not None:
-            # Ratcheting: what this write did not change may stay as it was.
-            errors = [e for e in errors if e.transition or _changed(checked, old_checked, e.path)]
+            errors += ratcheted(_rule_errors(checked, old_checked, schema, ""))
         if errors:
             raise self._invalid(errors)
         return obj
@@ -340,12 +345,9 @@ class Chain:
         message = status.get("message") or ""
         denied = f'admission webhook "{hook.get("name")}" denied the request'
         text = f"{denied}: {message}" if message else f"{denied} without explanation"
-        raise kubeobjects.failure(
-            max(code, 400),
-            status.get("reason") or "Forbidden",
-            text,
-            **(status.get("details") or {}),
-        )
+        code = max(code, 400)  # as the API server: a refusal is never a success code
+        reason = status.get("reason") or _REASONS.get(code, "")
+        raise kubeobjects.failure(code, reason, text, **(status.get("details") or {}))
 
     async def _post(self, hook: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
         url, verify = self._target(hook)
