@@ -513,6 +513,34 @@ async def test_object_selector_matches_the_new_or_the_old_labels(
     assert api.stored(THINGS, "ns1", "labelled")["metadata"]["labels"] == {"guarded": "yes"}
 
 
+async def test_core_pods_and_their_status_are_matched_by_the_core_group(
+    api: KubeApi, client: Client, hooks: Hooks
+) -> None:
+    # Pods are not among the stand-in's own resources; a test declares them as here.
+    pods = Ref(group="", version="v1", plural="pods", namespaced=True)
+    api.emulator.declare(pods, kind="Pod", status_subresource=True)
+    hooks.answers["pods"] = patching(
+        lambda r: [{"op": "add", "path": "/metadata/labels", "value": {"seen": "yes"}}]
+    )
+    rule = {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"]}
+    webhook = hook("pods.test", url(hooks, "pods"))
+    webhook["rules"] = [{**rule, "resources": ["pods", "pods/status"], "scope": "Namespaced"}]
+    await client.register(configuration("Mutating", "m", webhook))
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p1"}, "spec": {}}
+    created = await client.send("POST", pods.path(namespace="ml"), pod)
+    assert created.status_code == 201, created.text
+    assert created.json()["metadata"]["labels"] == {"seen": "yes"}
+    status = await client.send(
+        "PATCH", pods.path(namespace="ml", name="p1", subresource="status"), {"status": {}}
+    )
+    assert status.status_code == 200, status.text
+    first, second = hooks.seen["pods"]
+    assert first["kind"] == {"group": "", "version": "v1", "kind": "Pod"}
+    assert first["resource"] == {"group": "", "version": "v1", "resource": "pods"}
+    assert (first["namespace"], first["object"]["metadata"]["namespace"]) == ("ml", "ml")
+    assert second["subResource"] == "status"
+
+
 # --- what the webhook is told and what it says back -----------------------------------------
 
 
