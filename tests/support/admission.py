@@ -9,14 +9,10 @@ every create and update (patch and PUT, and ``/status`` writes), in the API serv
 1. mutating webhooks of the stored ``MutatingWebhookConfiguration`` objects (by name, then in
    order), each called over HTTP(S) with an ``admission.k8s.io/v1`` ``AdmissionReview`` and
    its ``JSONPatch`` applied;
-2. the custom resource's OpenAPI v3 schema (unknown fields pruned, with a ``Warning`` header,
-   or refused with ``?fieldValidation=Strict``; nulls in non-nullable fields pruned; then
-   types, required, enums, bounds, patterns as ``tests/support/crdschema.py`` checks them) and
-   its ``x-kubernetes-validations`` CEL rules (``self``; ``oldSelf`` on update, where rules
-   that name it run only when an old value exists), answered ``422 Invalid`` with
-   ``status.details.causes``. On update, an error in a value the write left unchanged is
-   dropped (validation ratcheting, on by default since Kubernetes 1.30). A ``/status`` write
-   checks ``status`` only;
+2. the custom resource's OpenAPI v3 schema and ``x-kubernetes-validations`` CEL rules, as
+   ``tests/support/crdchecking.py`` checks them: an error is ``422 Invalid`` with
+   ``status.details.causes``; a pruned unknown field is a ``Warning`` header, or ``400`` with
+   ``?fieldValidation=Strict``. A ``/status`` write checks ``status`` only;
 3. validating webhooks of the stored ``ValidatingWebhookConfiguration`` objects.
 
 A webhook is called when one of its ``rules`` names the operation, group, version, resource
@@ -42,7 +38,7 @@ the test fills: ``services[(namespace, name)] = "http://127.0.0.1:<port>"`` (the
 Left out, as tests here do not need them: DELETE and CONNECT admission, ``authorizer`` in
 ``matchConditions`` (a condition naming it fails to evaluate), ``reinvocationPolicy:
 IfNeeded``, ``matchPolicy: Equivalent`` conversion between versions (rules must name the
-version written), schema ``default``s, and the CEL cost budget.
+version written), and what ``crdchecking`` leaves out.
 
 What it must never do: reach beyond the URLs a test registered, import ``bettercompute``
 (it stands in for Kubernetes), or store anything: the stand-in commits what it returns.
@@ -51,24 +47,19 @@ What it must never do: reach beyond the URLs a test registered, import ``betterc
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import dataclasses
-import functools
 import json
-import re
 import ssl
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import celpy
 import httpx
 import jsonpatch
 import kmock
-from celpy import adapter, celtypes
 
-from tests.support import crdschema, kubeobjects
+from tests.support import crdchecking, kubeobjects
 from tests.support.kubeobjects import Ref
 
 MUTATING_WEBHOOKS = Ref(
@@ -91,14 +82,7 @@ STAND_IN_ADMIN = {
 }
 ANONYMOUS = {"username": "system:anonymous", "groups": ["system:unauthenticated"]}
 
-_MISSING = object()  # no value at a path (unlike None, which is JSON null)
-_ROOT_FIELDS = ("apiVersion", "kind", "metadata")  # every object has them; never pruned
-_RULES_NOT_CHECKED = (
-    'Invalid value: "null": some validation rules were not checked because the object was'
-    " invalid; correct the existing errors to complete validation"
-)
 _REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 422: "Invalid"}
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[([^\]]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,44 +173,23 @@ class Chain:
     def _check_schema(
         self, obj: dict[str, Any], old: dict[str, Any] | None, schema: dict[str, Any]
     ) -> dict[str, Any]:
-        obj = copy.deepcopy(obj)
-        if self.write.subresource == "status":
-            status_schema = schema.get("properties", {}).get("status", {})
-            schema = {"type": "object", "properties": {"status": status_schema}}
-            checked = {"status": obj["status"]} if "status" in obj else {}
-        else:
-            checked = obj
-        pruned: list[str] = []
-        _prune(checked, schema, "", pruned, root=True)
-        if pruned and self.write.field_validation == "Strict":
-            message = ", ".join(f'unknown field "{path}"' for path in pruned)
+        write = self.write
+        result = crdchecking.check(
+            obj,
+            old if write.operation == "UPDATE" else None,
+            schema,
+            status_only=write.subresource == "status",
+        )
+        if result.pruned and write.field_validation == "Strict":
+            message = ", ".join(f'unknown field "{path}"' for path in result.pruned)
             raise kubeobjects.failure(400, "BadRequest", f"strict decoding error: {message}")
-        if self.write.field_validation != "Ignore":
-            self.warnings += [f'unknown field "{path}"' for path in pruned]
-        if self.write.subresource == "status":
-            obj.pop("status", None)
-            obj.update(checked)
-        found = crdschema.validate(checked, _with_implicit_root(schema))
-        errors = [_from_schema(text, checked) for text in found]
-        old_checked = old if old is not None and self.write.operation == "UPDATE" else None
+        if write.field_validation != "Ignore":
+            self.warnings += [f'unknown field "{path}"' for path in result.pruned]
+        if result.errors:
+            raise self._invalid(result.errors)
+        return result.obj
 
-        def ratcheted(found: list[_FieldError]) -> list[_FieldError]:
-            # Ratcheting: what this write did not change may stay as it was.
-            if old_checked is None:
-                return found
-            return [e for e in found if e.transition or _changed(checked, old_checked, e.path)]
-
-        errors = ratcheted(errors)
-        if any(e.reason in ("FieldValueRequired", "FieldValueTypeInvalid") for e in errors):
-            # As the API server: rules are not run on an object of the wrong shape.
-            errors.append(_FieldError("<nil>", "FieldValueInvalid", _RULES_NOT_CHECKED))
-        else:
-            errors += ratcheted(_rule_errors(checked, old_checked, schema, ""))
-        if errors:
-            raise self._invalid(errors)
-        return obj
-
-    def _invalid(self, errors: list[_FieldError]) -> kmock.KubernetesError:
+    def _invalid(self, errors: list[crdchecking.FieldError]) -> kmock.KubernetesError:
         group = self.write.resource.group
         what = f"{self.write.kind}.{group}" if group else self.write.kind
         shown = [f"{e.path}: {e.message}" for e in errors]
@@ -287,7 +250,7 @@ class Chain:
         activation = {"object": obj, "oldObject": old, "request": self._request(obj, old)}
         for condition in hook.get("matchConditions") or []:
             try:
-                result = evaluate(condition["expression"], activation)
+                result = crdchecking.evaluate(condition["expression"], activation)
                 if not isinstance(result, bool):
                     raise TypeError(f"the expression gave {result!r}, not a bool")
             except Exception as e:
@@ -406,14 +369,6 @@ class _CallFailed(Exception):
     """The webhook could not be called or answered badly: failurePolicy decides."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _FieldError:
-    path: str
-    reason: str  # a Kubernetes CauseType, e.g. FieldValueInvalid
-    message: str
-    transition: bool = False
-
-
 def _failed(hook: Mapping[str, Any], reason: object) -> str:
     return f'failed calling webhook "{hook.get("name")}": {reason}'
 
@@ -481,200 +436,6 @@ def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> b
         if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
             return False
     return True
-
-
-# --- CEL --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _program(expression: str) -> celpy.Runner:
-    # Compiling is most of the cost; the same few expressions run on every write.
-    environment = celpy.Environment()
-    return environment.program(environment.compile(expression))
-
-
-def evaluate(expression: str, variables: Mapping[str, Any]) -> Any:
-    """``expression`` (CEL) with JSON ``variables``, as plain Python; raises on any error."""
-    return _evaluated(expression, json.dumps(variables, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=4096)
-def _evaluated(expression: str, variables: str) -> Any:
-    # CEL is pure and celpy interprets slowly (a millisecond a rule): an operator rewrites the
-    # same spec many times (finalizers, annotations), so the same rule meets the same values.
-    activation = {name: adapter.json_to_cel(value) for name, value in json.loads(variables).items()}
-    result = _program(expression).evaluate(activation)
-    if isinstance(result, celpy.CELEvalError):
-        raise result
-    return _plain(result)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, celtypes.BoolType):
-        return bool(value)
-    if isinstance(value, celtypes.IntType | celtypes.UintType):
-        return int(value)
-    if isinstance(value, celtypes.DoubleType):
-        return float(value)
-    if isinstance(value, celtypes.StringType):
-        return str(value)
-    if isinstance(value, celtypes.ListType):
-        return [_plain(v) for v in value]
-    if isinstance(value, celtypes.MapType):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-def _rule_errors(value: Any, old: Any, node: Mapping[str, Any], path: str) -> list[_FieldError]:
-    """The ``x-kubernetes-validations`` of ``node`` and below that ``value`` breaks; ``old``
-    is the correlated old value (``_MISSING``/None when there is none)."""
-    if value is None or value is _MISSING:
-        return []
-    old = _MISSING if old is None else old
-    errors: list[_FieldError] = []
-    for rule in node.get("x-kubernetes-validations") or []:
-        transition = "oldSelf" in rule["rule"]
-        if transition and old is _MISSING:
-            continue  # a transition rule needs an old value
-        variables = {"self": value} | ({"oldSelf": old} if transition else {})
-        where = path + str(rule.get("fieldPath") or "")
-        reason = str(rule.get("reason") or "FieldValueInvalid")
-        try:
-            passed = evaluate(rule["rule"], variables)
-        except Exception as e:
-            message = f"Invalid value: {_type_name(value)}: rule {rule['rule']!r}: {e}"
-            errors.append(_FieldError(where or "<nil>", "FieldValueInvalid", message, transition))
-            continue
-        if passed is True:
-            continue
-        text = rule.get("message") or f"failed rule: {rule['rule']}"
-        if rule.get("messageExpression"):
-            # The API server falls back to message when messageExpression fails.
-            with contextlib.suppress(Exception):
-                text = str(evaluate(rule["messageExpression"], variables))
-        message = f"Invalid value: {_type_name(value)}: {text}"
-        errors.append(_FieldError(where or "<nil>", reason, message, transition))
-    if isinstance(value, dict):
-        properties = node.get("properties") or {}
-        extra = node.get("additionalProperties")
-        old_map = old if isinstance(old, dict) else {}
-        for name, item in value.items():
-            if name in properties:
-                child, at = properties[name], _join(path, name)
-            elif isinstance(extra, Mapping):
-                child, at = extra, f"{path}[{name}]"
-            else:
-                continue
-            errors += _rule_errors(item, old_map.get(name, _MISSING), child, at)
-    elif isinstance(value, list) and isinstance(node.get("items"), Mapping):
-        keys = node.get("x-kubernetes-list-map-keys") or []
-        keyed = node.get("x-kubernetes-list-type") == "map" and isinstance(old, list)
-        for i, item in enumerate(value):
-            before: Any = _MISSING
-            if keyed and isinstance(item, dict):
-                key = [item.get(k) for k in keys]
-                before = next(
-                    (o for o in old if isinstance(o, dict) and [o.get(k) for k in keys] == key),
-                    _MISSING,
-                )
-            errors += _rule_errors(item, before, node["items"], f"{path}[{i}]")
-    return errors
-
-
-def _type_name(value: Any) -> str:
-    # The API server names the type, not the value, in a rule's refusal.
-    for kind, name in ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string")):
-        if isinstance(value, kind):
-            return f'"{name}"'
-    return '"integer"' if isinstance(value, int) else '"number"'
-
-
-# --- pruning and schema errors ----------------------------------------------------------------
-
-
-def _prune(
-    value: Any, node: Mapping[str, Any], path: str, pruned: list[str], *, root: bool
-) -> None:
-    """Drop from ``value`` (in place) what the schema does not declare, as the API server
-    does for a structural schema; nulls in non-nullable fields go silently, unknown fields are
-    listed in ``pruned``."""
-    if isinstance(value, dict):
-        properties = node.get("properties") or {}
-        extra = node.get("additionalProperties")
-        preserve = bool(node.get("x-kubernetes-preserve-unknown-fields")) or not node
-        for name in list(value):
-            if root and name in _ROOT_FIELDS:
-                continue  # ObjectMeta has its own validation; the schema never prunes it
-            item = value[name]
-            child_schema = properties.get(name) if name in properties else extra
-            if isinstance(child_schema, Mapping):
-                if item is None and not child_schema.get("nullable"):
-                    del value[name]
-                    continue
-                at = _join(path, name) if name in properties else f"{path}[{name}]"
-                _prune(item, child_schema, at, pruned, root=False)
-            elif not (preserve or extra is True):
-                del value[name]
-                pruned.append(_join(path, name))
-    elif isinstance(value, list) and isinstance(node.get("items"), Mapping):
-        for i, item in enumerate(value):
-            _prune(item, node["items"], f"{path}[{i}]", pruned, root=False)
-
-
-def _with_implicit_root(schema: Mapping[str, Any]) -> dict[str, Any]:
-    # Every custom resource has apiVersion, kind and metadata, named in its schema or not.
-    properties = dict(schema.get("properties", {}))
-    for name in _ROOT_FIELDS:
-        properties.setdefault(name, {"type": "string" if name != "metadata" else "object"})
-    return {**schema, "properties": properties}
-
-
-def _from_schema(text: str, obj: Any) -> _FieldError:
-    """A ``crdschema`` error (``"<path>: <reason>"``) as the API server words it."""
-    path, _, reason = text.partition(": ")
-    if reason == "required":
-        return _FieldError(path, "FieldValueRequired", "Required value")
-    value = _at(obj, path)
-    shown = "null" if value is _MISSING else json.dumps(value)
-    if reason.startswith("must be of type"):
-        return _FieldError(path, "FieldValueTypeInvalid", f"Invalid value: {shown}: {reason}")
-    if reason.startswith("must be one of"):
-        return _FieldError(path, "FieldValueNotSupported", f"Unsupported value: {shown}: {reason}")
-    return _FieldError(path, "FieldValueInvalid", f"Invalid value: {shown}: {reason}")
-
-
-def _at(obj: Any, path: str) -> Any:
-    """The value at a Kubernetes field path (``spec.devices[0].count``, ``quotas[gpu:H100]``)."""
-    value = obj
-    for name, bracket in _PATH_PART.findall(path):
-        if name:
-            value = value.get(name, _MISSING) if isinstance(value, dict) else _MISSING
-        elif isinstance(value, list) and bracket.isdigit() and int(bracket) < len(value):
-            value = value[int(bracket)]
-        elif isinstance(value, dict):
-            value = value.get(bracket, _MISSING)
-        else:
-            value = _MISSING
-        if value is _MISSING:
-            return _MISSING
-    return value
-
-
-def _changed(new: Any, old: Any, path: str) -> bool:
-    """Whether the write changed the value at ``path``; for a value it lacks (a required field
-    missing), whether it changed the nearest enclosing value it has."""
-    parts = [m.group(0) for m in _PATH_PART.finditer(path)]
-    while parts:
-        at = "".join(p if p.startswith("[") or i == 0 else f".{p}" for i, p in enumerate(parts))
-        now = _at(new, at)
-        if now is not _MISSING:
-            return bool(now != _at(old, at))
-        parts.pop()
-    return True
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def write_of(
