@@ -830,6 +830,26 @@ async def test_the_real_operator_stamps_and_checks_reservations_through_the_chai
         assert moved.status_code == 422, moved.text
         assert moved.json()["details"]["causes"][0]["field"] == "spec.poolId"
         assert "poolId is immutable" in moved.json()["message"]
+
+        # Attacks: the same forgery by every other write path gets nowhere.
+        current = kube.stored(RESERVATIONS, "ml", "train")
+        replaced = copy.deepcopy(current)
+        replaced["metadata"]["annotations"]["bcd.dev/requested-by"] = "bob@acme"
+        put = await alice.send("PUT", path, replaced)
+        assert put.status_code == 422, put.text  # a replace is an UPDATE the check sees
+        op = {"op": "replace", "path": "/metadata/annotations/bcd.dev~1requested-by"}
+        json_patch = await alice.send("PATCH", path, [{**op, "value": "bob@acme"}], kind=JSON_PATCH)
+        assert json_patch.status_code == 422, json_patch.text
+        # A /status write changes the status only: the forged annotation is dropped.
+        status = await alice.send("PATCH", f"{path}/status", {**forged, "status": {}})
+        assert status.status_code == 200, status.text
+        unknown_caller = Client(http, None)  # anonymous: stamped as system:anonymous, not bob
+        sneaky = kubeworld.reservation("sneaky").obj()
+        sneaky["metadata"]["annotations"] = {"bcd.dev/requested-by": "bob@acme"}
+        anonymous = await unknown_caller.create(sneaky)
+        assert anonymous.status_code == 201, anonymous.text
+        annotations = anonymous.json()["metadata"]["annotations"]
+        assert annotations["bcd.dev/requested-by"] == "system:anonymous"
     after = kube.stored(RESERVATIONS, "ml", "train")
     assert after["spec"]["poolId"] == "h100"
     assert after["metadata"]["annotations"]["bcd.dev/requested-by"] == "alice@acme"
