@@ -318,9 +318,15 @@ async def test_mutating_webhooks_run_in_name_order_then_validating_and_patches_a
         ]
     )
     hooks.answers["check"] = allow()
-    # Registered in the opposite order of their names: the names decide.
+    # Registered in the opposite order of their names: the names decide. The second is matched
+    # on the object the first has patched: it selects the label the first adds.
     await client.register(configuration("Validating", "a-check", hook("c.t", url(hooks, "check"))))
-    await client.register(configuration("Mutating", "b-second", hook("s.t", url(hooks, "second"))))
+    first_only = {"matchLabels": {"first": "1"}}
+    await client.register(
+        configuration(
+            "Mutating", "b-second", hook("s.t", url(hooks, "second"), objectSelector=first_only)
+        )
+    )
     await client.register(configuration("Mutating", "a-first", hook("f.t", url(hooks, "first"))))
 
     response = await client.create(thing("t1"))

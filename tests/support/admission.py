@@ -137,7 +137,10 @@ class Chain:
 
     async def mutate(self, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
         """``obj`` after every matching mutating webhook's patch."""
-        for hook in self._hooks(MUTATING_WEBHOOKS, obj, old):
+        for hook in self._hooks(MUTATING_WEBHOOKS):
+            # Matched against the object as the earlier webhooks left it, as the API server does.
+            if not self._matches(hook, obj, old):
+                continue
             response = await self._call(hook, obj, old)
             if response is None:
                 continue
@@ -164,7 +167,7 @@ class Chain:
         schema = self.admission.schemas.get(self.write.resource)
         if schema is not None:
             obj = self._check_schema(obj, old, schema)
-        for hook in self._hooks(VALIDATING_WEBHOOKS, obj, old):
+        for hook in [h for h in self._hooks(VALIDATING_WEBHOOKS) if self._matches(h, obj, old)]:
             await self._call(hook, obj, old)
         return obj
 
@@ -206,18 +209,12 @@ class Chain:
 
     # --- webhooks
 
-    def _hooks(
-        self, ref: Ref, obj: dict[str, Any], old: dict[str, Any] | None
-    ) -> list[dict[str, Any]]:
+    def _hooks(self, ref: Ref) -> list[dict[str, Any]]:
+        """The webhooks of every configuration of ``ref``'s kind, in the order they run."""
         if self.write.resource in (MUTATING_WEBHOOKS.resource, VALIDATING_WEBHOOKS.resource):
             return []  # the API server never calls webhooks about webhook configurations
         configurations = sorted(self.admission.objects_of(ref), key=lambda c: c["metadata"]["name"])
-        return [
-            hook
-            for configuration in configurations
-            for hook in configuration.get("webhooks") or []
-            if self._matches(hook, obj, old)
-        ]
+        return [hook for c in configurations for hook in c.get("webhooks") or []]
 
     def _matches(
         self, hook: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None
