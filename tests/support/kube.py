@@ -26,7 +26,6 @@ agent run against this subclass over real HTTP, so it answers as a real API serv
   replays only changes after N; ``timeoutSeconds`` ends the stream; ``sendInitialEvents``
   ends its initial ADDED events with the ``k8s.io/initial-events-end`` bookmark.
 - ``POST /apis/authentication.k8s.io/v1/tokenreviews`` answers from ``tokens``.
-
 - admission on create and update (incl. ``/status``): mutating webhooks, the CRD's schema and
   CEL rules, validating webhooks, as ``tests/support/admission.py`` describes; webhook
   configurations are ``admissionregistration.k8s.io/v1`` objects created through the API, and
