@@ -19,7 +19,7 @@ from bettercompute.core.durations import to_ms
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
-from bettercompute.store import inventory
+from bettercompute.store import desired, inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.support.world import World
@@ -823,6 +823,27 @@ async def test_kubernetes_needs_the_system_label(
     await advance(db, 31)
     await run(db)
     assert (await get(service, view["id"]))["state"] == "pending"
+
+
+@pytest.mark.parametrize(("pod_access", "named"), [(None, True), ("shared", False)])
+async def test_a_kubernetes_reservation_is_advertised_under_its_own_name_unless_shared(
+    db: Database, service: ReservationService, pod_access: str | None, named: bool
+) -> None:
+    policy: dict[str, Any] = {"kubernetes": True}
+    if pod_access:
+        policy["podAccess"] = pod_access
+    await world(db, policy=policy, labels={K8S_LABEL: ("true", "system")})
+    view = await create(service, "k8s", binding="kubernetes")
+    rid = view["id"]
+    expected = "bcd.dev/rsv-" + rid.removeprefix("rsv_")[:24] if named else None
+    assert view.get("resourceName") == expected
+    await activate(service, db, rid)
+    [alloc] = await allocations(db, rid)
+    [wanted] = await desired.for_node(db, node_id=alloc["node_id"])
+    assert wanted["podAccess"] == (pod_access or "reservation")
+    assert (await get(service, rid)).get("resourceName") == expected
+    hold = await create(service, "plain-hold")
+    assert "resourceName" not in hold
 
 
 async def test_kubernetes_release_holds_devices_until_node_confirms(

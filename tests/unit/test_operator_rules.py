@@ -195,6 +195,34 @@ def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node()
     }
     assert manifest["spec"]["release"] is True
     assert manifest["spec"]["class"] == "gpu"
+    # No podAccess said: the pool's default, ``reservation``: the devices get their own name.
+    assert manifest["spec"]["resourceName"] == "bcd.dev/rsv-x"
+
+
+@pytest.mark.parametrize(
+    ("binding", "pod_access", "expected"),
+    [
+        ("kubernetes", "reservation", "bcd.dev/rsv-abc234"),
+        ("kubernetes", "shared", None),
+        ("hold", "reservation", None),
+    ],
+)
+def test_only_a_reservation_mode_kubernetes_allocation_gets_its_own_resource_name(
+    binding: str, pod_access: str, expected: str | None
+):
+    item = {
+        "allocationId": "alloc_01ABC",
+        "reservationId": "rsv_ABC234",
+        "tenantId": "acme",
+        "state": "desired",
+        "binding": binding,
+        "podAccess": pod_access,
+        "class": "gpu",
+        "deviceIds": [GPU_A],
+        "parentGpus": [GPU_A],
+        "until": 123,
+    }
+    assert allocations.allocation_spec(item, node="n1").get("resourceName") == expected
 
 
 @pytest.mark.parametrize(

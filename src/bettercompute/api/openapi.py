@@ -103,6 +103,11 @@ _RESERVATION: dict[str, Any] = {
         "leaseExpiresAt": {"type": "integer"},
         "releaseReason": {"type": "string"},
         "hostShare": {"type": "object"},
+        "resourceName": {
+            "type": "string",
+            "description": "The extended resource a kubernetes binding's devices are advertised"
+            " as, which only pods labelled with this reservation may ask for.",
+        },
     },
 }
 

@@ -222,6 +222,7 @@ def reservation_table(view: answers.Reservation) -> RenderableType:
         ("lease until", _optional_time(view.get("leaseExpiresAt"))),
         ("nodes", _nodes(view)),
         ("binding", _binding(view)),
+        ("pod resource", view.get("resourceName")),
         ("conditions", _conditions(view)),
         ("operation", _operation(view)),
         ("released because", view.get("releaseReason")),

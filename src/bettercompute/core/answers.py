@@ -53,6 +53,9 @@ class Reservation(TypedDict):
     leaseExpiresAt: NotRequired[int]
     releaseReason: NotRequired[str]
     hostShare: NotRequired[dict[str, Any]]
+    #: A ``kubernetes`` binding in a pool of pod access ``reservation``: the extended resource
+    #: its devices are advertised as (``bcd.dev/rsv-…``), which only its pods may ask for.
+    resourceName: NotRequired[str]
 
 
 @with_config(_CLOSED)

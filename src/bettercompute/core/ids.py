@@ -1,4 +1,5 @@
-"""Identifiers: the deterministic draft id, and time-ordered ids for everything else.
+"""Identifiers: the deterministic draft id, time-ordered ids for everything else, and the
+extended resource name a reservation's devices are advertised under.
 
 The draft id is what makes a create idempotent per caller: the same tenant, identity and key
 reach the same row, another identity's identical key reaches another row. Pure except for the
@@ -54,3 +55,21 @@ def new_id(prefix: str, *, now_ms: int | None = None, entropy: bytes | None = No
         chars.append(_CROCKFORD[value & 31])
         value >>= 5
     return f"{prefix}_{''.join(reversed(chars))}"
+
+
+#: Every resource a ``kubernetes`` binding in ``reservation`` pod-access mode is advertised as
+#: starts with this prefix.
+RESERVATION_RESOURCE_PREFIX = "bcd.dev/rsv-"
+#: How many characters of a reservation id's body the resource name keeps: 24 base32
+#: characters are 120 bits, and ``rsv-`` + 24 stays far inside a qualified name's 63.
+_RESOURCE_ID_CHARS = 24
+
+
+def reservation_resource_name(reservation_id: str) -> str:
+    """The extended resource a ``reservation``-mode allocation is advertised as:
+    ``rsv_abcd…`` → ``bcd.dev/rsv-abcd…`` (a qualified name of at most 28 characters)."""
+    body = reservation_id.removeprefix("rsv_").lower()
+    body = "".join(c for c in body if c.isascii() and c.isalnum())[:_RESOURCE_ID_CHARS]
+    if not body:
+        raise ValueError(f"reservation id {reservation_id!r} has no characters to name it by")
+    return RESERVATION_RESOURCE_PREFIX + body

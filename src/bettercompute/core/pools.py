@@ -77,6 +77,10 @@ class PoolPolicy(Model):
     """The pool policy keys the guide names; anything else is a typo, so it is refused."""
 
     kubernetes: bool | None = None
+    #: Which pods may use a ``kubernetes`` binding's devices: ``reservation`` (the default) only
+    #: pods that name the reservation, through its own extended resource; ``shared`` any pod
+    #: that asks ``bcd.dev/gpu`` (the pool's owner accepts that).
+    podAccess: Literal["reservation", "shared"] | None = None
     tenantRoot: bool | None = None
     maxPending: str | int | None = None
     perGpu: PerGpu | None = None

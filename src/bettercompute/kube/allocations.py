@@ -59,6 +59,12 @@ class AllocationSpec(_Written):
     # Strict: epoch milliseconds, never a numeric string or a boolean read as one.
     until: int = Field(ge=0, strict=True)
     limits: Limits | None = None
+    #: The extended resource the node advertises these devices as, for a ``kubernetes``
+    #: binding of a pool in ``reservation`` pod-access mode (``bcd.dev/rsv-…``, one plugin
+    #: endpoint of its own); absent: the class's shared name (``names.RESOURCE_NAMES``).
+    resourceName: str | None = Field(
+        default=None, max_length=63, pattern=r"^bcd\.dev/rsv-[a-z0-9]{1,24}$"
+    )
     release: bool = False
 
     def document(self) -> dict[str, Any]:
@@ -126,8 +132,15 @@ def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
         deviceIds=list(row["deviceIds"]),
         parentGpus=list(row["parentGpus"]),
         until=int(row["until"]),
+        resourceName=_resource_name(row),
         release=row["state"] == "releasing",
     ).document()
+
+
+def _resource_name(row: Mapping[str, Any]) -> str | None:
+    if row["binding"] != "kubernetes" or row.get("podAccess") == "shared":
+        return None
+    return names.reservation_resource_name(row["reservationId"])
 
 
 def allocation_manifest(spec: Mapping[str, Any], *, namespace: str) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The names the operator, the node agent and the chart agree on: API group and version, labels,
 annotations and the finalizer (``docs/kubernetes.md`` describes them to users).
 
-Data only: no I/O, no imports of ours.
+Data only: no I/O, no imports of ours but ``core.ids`` (a reservation's resource name).
 """
 
 from __future__ import annotations
+
+from bettercompute.core import ids
 
 GROUP = "bcd.dev"
 VERSION = "v1alpha1"
@@ -42,21 +44,10 @@ RESOURCE_NAMES = {"gpu": "bcd.dev/gpu", "mig": "bcd.dev/gpu.mig", "slot": "bcd.d
 POD_RESERVATION_LABEL = RESERVATION_LABEL
 #: The pod webhook records the pod's original device requests here (JSON) when it rewrites them.
 ORIGINAL_RESOURCES = "bcd.dev/original-resources"
-#: Every resource a pool in ``reservation`` pod-access mode advertises starts with this prefix.
-RESERVATION_RESOURCE_PREFIX = "bcd.dev/rsv-"
-#: How many characters of a reservation id's body the resource name keeps: 24 base32
-#: characters are 120 bits, and ``rsv-`` + 24 stays far inside a qualified name's 63.
-_RESOURCE_ID_CHARS = 24
-
-
-def reservation_resource_name(reservation_id: str) -> str:
-    """The extended resource a ``reservation``-mode allocation is advertised as:
-    ``rsv_abcd…`` → ``bcd.dev/rsv-abcd…`` (a qualified name of at most 28 characters)."""
-    body = reservation_id.removeprefix("rsv_").lower()
-    body = "".join(c for c in body if c.isascii() and c.isalnum())[:_RESOURCE_ID_CHARS]
-    if not body:
-        raise ValueError(f"reservation id {reservation_id!r} has no characters to name it by")
-    return RESERVATION_RESOURCE_PREFIX + body
+#: Every resource a pool in ``reservation`` pod-access mode advertises starts with this prefix;
+#: ``reservation_resource_name`` makes a reservation's (``core.ids``, so the store can name it).
+RESERVATION_RESOURCE_PREFIX = ids.RESERVATION_RESOURCE_PREFIX
+reservation_resource_name = ids.reservation_resource_name
 
 
 #: The CertificateSigningRequest signer the operator answers for node certificates.

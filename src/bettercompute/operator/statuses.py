@@ -34,6 +34,7 @@ PROJECTED = (
     "operation",
     "version",
     "leaseExpiresAt",
+    "resourceName",
     "observedGeneration",
 )
 
@@ -119,6 +120,7 @@ def reservation_status(
             "operation": view.get("operation"),
             "version": view.get("version"),
             "leaseExpiresAt": view.get("leaseExpiresAt"),
+            "resourceName": view.get("resourceName"),
         }
     )
     if refused is not None:

@@ -23,8 +23,9 @@ NODE_STATES = ("desired", "bound", "lost", "releasing")
 async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     """The allocations of ``node_id`` in ``NODE_STATES``, oldest first.
 
-    Each is ``{allocationId, reservationId, tenantId, state, binding, class, deviceIds,
-    parentGpus, until}``: ``parentGpus`` gives each device's physical GPU in ``deviceIds``
+    Each is ``{allocationId, reservationId, tenantId, state, binding, podAccess, class,
+    deviceIds, parentGpus, until}``: ``podAccess`` is the pool's (``reservation`` unless the
+    pool says ``shared``): ``parentGpus`` gives each device's physical GPU in ``deviceIds``
     order (the same id for a whole GPU), ``until`` is epoch milliseconds.
     """
     async with db.connection() as conn:
@@ -32,11 +33,14 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             await conn.execute(
                 """
                 SELECT a.id, a.reservation_id, r.tenant_id, a.state,
-                       r.request ->> 'binding' AS binding, a.device_class, a.device_ids,
+                       r.request ->> 'binding' AS binding,
+                       coalesce(p.policy ->> 'podAccess', 'reservation') AS pod_access,
+                       a.device_class, a.device_ids,
                        epoch_ms(a.until) AS until_ms,
                        (SELECT coalesce(jsonb_object_agg(t.device_id, t.parent_gpu), '{}')
                           FROM atoms t WHERE t.id = ANY(a.atom_ids)) AS parents
                   FROM allocations a JOIN reservations r ON r.id = a.reservation_id
+                  JOIN pools p ON p.id = r.pool_id
                  WHERE a.node_id = %s AND a.state = ANY(%s)
                  ORDER BY a.created_at, a.id
                 """,
@@ -50,6 +54,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "tenantId": row["tenant_id"],
             "state": row["state"],
             "binding": row["binding"],
+            "podAccess": row["pod_access"],
             "class": row["device_class"],
             "deviceIds": list(row["device_ids"]),
             "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],

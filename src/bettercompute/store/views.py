@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bettercompute.core import states
+from bettercompute.core import ids, states
 from bettercompute.store.database import Conn, Database, Row
 
 COLUMNS = """
@@ -19,6 +19,7 @@ COLUMNS = """
     epoch_ms(r.requested_start) AS requested_start_ms,
     epoch_ms(r.lease_expires_at) AS lease_expires_ms,
     epoch_ms(r.created_at) AS created_ms, epoch_ms(r.updated_at) AS updated_ms,
+    (SELECT p.policy ->> 'podAccess' FROM pools p WHERE p.id = r.pool_id) AS pod_access,
     CASE WHEN r.state IN ('released', 'releasing') THEN (
         SELECT jsonb_agg(jsonb_build_object(
                    'nodeId', a.node_id, 'allocationId', a.id,
@@ -70,6 +71,9 @@ def to_view(row: Row) -> dict[str, Any]:
         view["releaseReason"] = row["release_reason"]
     if row["host_share"] is not None:
         view["hostShare"] = row["host_share"]
+    if (row["request"] or {}).get("binding") == "kubernetes" and row["pod_access"] != "shared":
+        # Only this reservation's labelled pods can ask for it (pod access ``reservation``).
+        view["resourceName"] = ids.reservation_resource_name(row["id"])
     return view
 
 
