@@ -26,6 +26,9 @@ agent run against this subclass over real HTTP, so it answers as a real API serv
   replays only changes after N; ``timeoutSeconds`` ends the stream; ``sendInitialEvents``
   ends its initial ADDED events with the ``k8s.io/initial-events-end`` bookmark.
 - ``POST /apis/authentication.k8s.io/v1/tokenreviews`` answers from ``tokens``.
+- ``certificates.k8s.io/v1`` CertificateSigningRequests with their ``/approval`` and
+  ``/status`` subresources: the requester (``spec.username``, ``uid``, ``groups``, ``extra``)
+  from the caller's token, and the rules of ``tests/support/csrs.py``.
 - admission on create and update (incl. ``/status``): mutating webhooks, the CRD's schema and
   CEL rules, validating webhooks, as ``tests/support/admission.py`` describes; webhook
   configurations are ``admissionregistration.k8s.io/v1`` objects created through the API, and
@@ -61,7 +64,7 @@ import kmock
 import yaml
 from kmock._internal import rendering  # StreamingError and Response, as kmock dispatches
 
-from tests.support import admission, kubeobjects
+from tests.support import admission, csrs, kubeobjects
 from tests.support.kubeobjects import (
     ALL_VERBS,
     CLUSTER_KOPF_PEERINGS,
@@ -145,6 +148,8 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         self.declare(CLUSTER_KOPF_PEERINGS, kind="ClusterKopfPeering")
         self.declare(KOPF_PEERINGS, kind="KopfPeering")
         self.declare(TOKEN_REVIEWS, kind="TokenReview", verbs=["create"])
+        self.declare(csrs.CSRS, kind="CertificateSigningRequest", short_names=["csr"])
+        self.resources[csrs.CSRS.resource].subresources = {"status", "approval"}
 
     # --- declaring resources
 
@@ -497,6 +502,8 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         chain = self._chain(request, "CREATE", str(meta.get("name") or ""))
+        if resource == csrs.CSRS.resource:
+            csrs.prepare_create(obj, chain.write.user)
         obj = await chain.mutate(obj, None)
         meta = obj["metadata"]
         kubeobjects.validate(obj, namespace_name=resource == NAMESPACES.resource)
@@ -573,7 +580,7 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
             )
         chain = self._chain(request, "UPDATE", key[2])
         candidate = await chain.mutate(candidate, current)
-        if request.subresource == "status":
+        if request.subresource in ("status", "approval"):
             result = copy.deepcopy(current)
             result.pop("status", None)
             if candidate.get("status") is not None:
@@ -606,6 +613,8 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
                     "metadata.finalizers: Forbidden: no new finalizers"
                     " can be added if the object is being deleted",
                 )
+        if key[0] == csrs.CSRS.resource:
+            result = csrs.settle_update(request.subresource, current, result)
         result = await chain.validate(result, current)
         if result == current:
             return rendering.Response(status=200, payload=current, headers=chain.headers)
