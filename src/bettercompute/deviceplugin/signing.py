@@ -52,6 +52,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from bettercompute.core import attestation
+
 ALGORITHM = "ed25519"
 PURPOSE = "attested-report"
 PHASES = ("Bound", "Failed", "Releasing", "Released")
@@ -194,6 +196,11 @@ class NodeKey:
             encoding=serialization.Encoding.PEM,
             format=serialization.PublicFormat.SubjectPublicKeyInfo,
         )
+
+    def certificate_request(self, *, node_name: str, role: str) -> bytes:
+        """A PEM certificate request for this key, naming ``node_name`` and ``role`` (the
+        operator's CA answers it with the node certificate; see ``enrolling``)."""
+        return attestation.certificate_request(self._private_key, node_name=node_name, role=role)
 
     def sign(self, report: Report) -> dict[str, str]:
         """The signature block of ``report``."""

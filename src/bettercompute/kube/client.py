@@ -298,6 +298,27 @@ class KubeClient:
             raise _error(e) from e
         return _plain(patched)
 
+    async def replace(
+        self,
+        resource: Any,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+    ) -> dict[str, Any] | None:
+        """PUT ``body`` in place of the object, or of one of its subresources when
+        ``resource`` is a subresource class (a CSR's ``CSR_APPROVAL``, ``CSR_STATUS``);
+        ``None`` when it is gone. A stale ``metadata.resourceVersion`` is 409, which the
+        caller answers by reading the object again."""
+        try:
+            obj = resource.from_dict(dict(body))
+            replaced = await self._within(self._client.replace(obj, name, namespace=namespace))
+        except Exception as e:
+            if _status(e) == 404:
+                return None
+            raise _error(e) from e
+        return _plain(replaced)
+
     async def delete(self, resource: Any, name: str, *, namespace: str | None = None) -> bool:
         """``False`` when there was nothing to delete."""
         try:
@@ -314,6 +335,7 @@ class KubeClient:
         *,
         namespace: str | None = None,
         labels: Mapping[str, str] | None = None,
+        fields: Mapping[str, str] | None = None,
         resource_version: str | None = None,
         timeout_s: int = WATCH_TIMEOUT_SECONDS,
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -334,6 +356,7 @@ class KubeClient:
                 resource,
                 namespace=namespace,
                 labels=dict(labels) if labels else None,
+                fields=dict(fields) if fields else None,
                 resource_version=resource_version,
                 on_error=give_up,
                 server_timeout=timeout_s,

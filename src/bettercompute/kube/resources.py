@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.authentication_v1 import TokenReview
+from lightkube.resources.certificates_v1 import (
+    CertificateSigningRequest,
+    CertificateSigningRequestApproval,
+    CertificateSigningRequestStatus,
+)
 from lightkube.resources.core_v1 import Event, Namespace, Node
 
 from bettercompute.kube.names import GROUP, VERSION
@@ -25,3 +30,7 @@ NAMESPACES = Namespace
 NODES = Node
 EVENTS = Event
 TOKEN_REVIEWS = TokenReview
+#: Node certificates: the request, and its two subresources (approval, the issued certificate).
+CERTIFICATE_SIGNING_REQUESTS = CertificateSigningRequest
+CSR_APPROVAL = CertificateSigningRequestApproval
+CSR_STATUS = CertificateSigningRequestStatus
