@@ -25,8 +25,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from bettercompute import supervising
 from bettercompute.core import attestation
 from bettercompute.deviceplugin import enrolling
+from bettercompute.deviceplugin.agent import started
 from bettercompute.deviceplugin.signing import NodeKey
 from bettercompute.kube.client import KubeClient, kube_config
+from tests.deviceplugin import agents
+from tests.deviceplugin.conftest import Node
 from tests.support.csrs import CSRS
 from tests.support.kubeserver import KubeApi
 
@@ -335,3 +338,31 @@ def test_the_request_name_is_a_valid_name_for_long_node_names(key: NodeKey) -> N
     assert len(name) <= 253
     assert name.endswith("-first-12")
     assert all(part and part[0] != "-" and part[-1] != "-" for part in name.split("."))
+
+
+async def test_the_agent_enrols_and_holds_the_certificate(
+    kube_api: KubeApi, kubelet_node: Node, authority: attestation.CertificateAuthority
+) -> None:
+    config = agents.agent_config(
+        kube=kube_api, node=kubelet_node, certificate_lifetime=dt.timedelta(days=2)
+    )
+    async with started(config) as agent:
+        obj = await pending(kube_api)
+        assert obj["spec"]["expirationSeconds"] == 2 * 24 * 3600
+        assert obj["metadata"]["labels"] == {"bcd.dev/node": agents.NODE}
+        request = attestation.read_request(base64.b64decode(obj["spec"]["request"]))
+        assert request.node_name == agents.NODE
+        await answer(kube_api, obj, authority=authority)
+        await until(lambda: agent.certificate_pem is not None)
+        saved = config.node_key.with_name("node-cert.pem")
+        assert agent.certificate_pem == saved.read_bytes()
+
+
+async def test_the_agent_asks_nothing_when_enrolment_is_off(
+    kube_api: KubeApi, kubelet_node: Node
+) -> None:
+    config = agents.agent_config(kube=kube_api, node=kubelet_node, enrol=False)
+    async with started(config) as agent:
+        await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+        assert agent.enroller is None
+    assert kube_api.emulator._snapshot(CSRS.resource, None, lambda _: True) == []

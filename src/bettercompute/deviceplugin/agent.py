@@ -11,7 +11,9 @@ Why it exists: it is the composition root of the node side. ``started`` wires, i
 4. the GPUNode (``publishing``), created if missing: while the API cannot be reached the agent
    says so and retries with backoff;
 5. the ``NodePlugin`` (converger, kubelet servers, registration) over the DeviceAllocation
-   adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher.
+   adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher;
+6. the enroller (``enrolling``), which asks the operator's CA for the node certificate through
+   a CertificateSigningRequest, keeps it beside the key and renews it.
 
 ``main`` reads flags with environment fallbacks and runs until SIGTERM or Ctrl-C; it stops the
 kubelet servers, marks the GPUNode not Ready and closes its connections before it exits.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
 import logging
 import os
 import signal
@@ -38,7 +41,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from bettercompute import supervising
-from bettercompute.deviceplugin import converging, registering, serving
+from bettercompute.deviceplugin import converging, enrolling, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import (
@@ -86,6 +89,12 @@ class AgentConfig:
     cdi_dir: Path = Path("/etc/cdi")
     env_dir: Path = Path("/run/bcd/allocations")
     node_key: Path = Path("/var/lib/bcd/node-key.pem")
+    #: Where the node certificate is kept; None: ``node-cert.pem`` beside the key.
+    node_certificate: Path | None = None
+    #: Ask for a node certificate through the CSR API (off: reports are signed but carry none).
+    enrol: bool = True
+    #: The lifetime the node certificate is asked for (the operator may give less).
+    certificate_lifetime: dt.timedelta = enrolling.LIFETIME
     #: /metrics, /healthz, /readyz; port 0 picks a free one.
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400
@@ -115,6 +124,15 @@ class Agent:
     registry: CollectorRegistry
     url: str
     tasks: list[asyncio.Task[None]]
+    enroller: enrolling.Enroller | None = None
+    #: The node certificate in use (PEM), once the operator issued one.
+    certificate_pem: bytes | None = None
+
+    def use_certificate(self, pem: bytes) -> None:
+        """Hand a new node certificate to the parts that send it with reports."""
+        # TODO(i12-attest): call the converger's certificate hook here once it lands, so every
+        # signed report carries the certificate.
+        self.certificate_pem = pem
 
     def not_ready(self) -> str | None:
         """Why ``/readyz`` fails, or None when ready."""
@@ -227,6 +245,19 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
         tasks.append(
             supervising.task(publisher.run(allocations=plugin.allocations), name="gpunode")
         )
+        if config.enrol:
+            agent.enroller = enrolling.Enroller(
+                client=client,
+                node_name=config.node_name,
+                key=key,
+                certificate_file=config.node_certificate
+                or enrolling.certificate_path(config.node_key),
+                on_certificate=agent.use_certificate,
+                lifetime=config.certificate_lifetime,
+            )
+            # Restarted if anything unforeseen ends it: a node without a certificate is one
+            # whose reports nobody can trust.
+            tasks.append(supervising.restarting(agent.enroller.run, name="node-certificate"))
         yield agent
 
 
@@ -328,6 +359,32 @@ def run(
             "every report. Keep it on the host.",
         ),
     ] = Path("/var/lib/bcd/node-key.pem"),
+    node_certificate: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="BCD_NODE_CERTIFICATE",
+            help="Where the node certificate (PEM) is kept; default: node-cert.pem beside the "
+            "node key.",
+            show_default=False,
+        ),
+    ] = None,
+    enrol: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_ENROL",
+            help="Ask the operator for a node certificate through a CertificateSigningRequest "
+            "(signer bcd.dev/node-report) and renew it at 2/3 of its lifetime.",
+        ),
+    ] = True,
+    certificate_lifetime_hours: Annotated[
+        float,
+        typer.Option(
+            envvar="BCD_CERTIFICATE_LIFETIME_HOURS",
+            min=1.0,
+            help="The node certificate's lifetime to ask for, in hours (the operator may give "
+            "less).",
+        ),
+    ] = enrolling.LIFETIME.total_seconds() / 3600,
     metrics_port: Annotated[
         int,
         typer.Option(envvar="BCD_METRICS_PORT", help="Port of /metrics, /healthz and /readyz."),
@@ -373,12 +430,13 @@ def run(
     file, advertises the devices of `binding: kubernetes` allocations to the kubelet as
     bcd.dev/gpu, bcd.dev/gpu.mig and bcd.dev/gpu.slot, keeps released devices booked while
     pods hold them, and reports every allocation on its DeviceAllocation, signed with the
-    node key.
+    node key. It asks the operator for the node key's certificate through a
+    CertificateSigningRequest and renews it before it expires.
 
     It needs the kubelet's device-plugin folder and PodResources socket, write access to the
     CDI and env folders, and RBAC to get, list and watch deviceallocations, patch
-    deviceallocations/status, get, create and patch gpunodes and gpunodes/status (and get
-    nodes, to copy their labels).
+    deviceallocations/status, get, create and patch gpunodes and gpunodes/status, create, get,
+    list and watch certificatesigningrequests (and get nodes, to copy their labels).
 
     Without a GPU, write a simulated inventory (gpus: [{uuid, index, model, memoryMiB,
     numaNode, nvlinkPeers, healthy, mig}]) and point the folders somewhere harmless:
@@ -406,6 +464,9 @@ def run(
         cdi_dir=cdi_dir,
         env_dir=env_dir,
         node_key=node_key,
+        node_certificate=node_certificate,
+        enrol=enrol,
+        certificate_lifetime=dt.timedelta(hours=certificate_lifetime_hours),
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         node_labels=_labels(node_labels),
