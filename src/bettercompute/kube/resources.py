@@ -16,7 +16,7 @@ from lightkube.resources.certificates_v1 import (
     CertificateSigningRequestApproval,
     CertificateSigningRequestStatus,
 )
-from lightkube.resources.core_v1 import Event, Namespace, Node
+from lightkube.resources.core_v1 import Event, Namespace, Node, Secret
 
 from bettercompute.kube.names import GROUP, VERSION
 
@@ -29,6 +29,7 @@ DEVICE_ALLOCATIONS = create_namespaced_resource(
 NAMESPACES = Namespace
 NODES = Node
 EVENTS = Event
+SECRETS = Secret
 TOKEN_REVIEWS = TokenReview
 #: Node certificates: the request, and its two subresources (approval, the issued certificate).
 CERTIFICATE_SIGNING_REQUESTS = CertificateSigningRequest

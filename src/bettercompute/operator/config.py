@@ -7,6 +7,7 @@ once, at start, into one frozen value; nothing else in the operator reads the en
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,3 +46,13 @@ class OperatorConfig:
     tenant_group_prefix: str = "bcd.dev:tenant:"
     #: How often every node's DeviceAllocations are compared in full with the store.
     allocation_resync_s: float = 60.0
+    #: The node agent's service account in ``namespace``: only its node-bound tokens get
+    #: node certificates.
+    node_agent_service_account: str = "better-compute-device-plugin"
+    #: The longest node certificate the operator signs (a node may ask for less).
+    node_certificate_lifetime: dt.timedelta = dt.timedelta(days=7)
+    #: How long after expiry a node certificate's reports are still accepted (a node that was
+    #: offline when it should have renewed); read by the report verifier.
+    node_certificate_grace: dt.timedelta = dt.timedelta(hours=1)
+    #: The Secret (in ``namespace``) holding the node CA's certificate and key.
+    node_ca_secret: str = "better-compute-node-ca"

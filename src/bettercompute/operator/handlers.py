@@ -35,6 +35,11 @@ RESERVATIONS = (names.GROUP, names.VERSION, "reservations")
 GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
 GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
 DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
+CSRS = ("certificates.k8s.io", "v1", "certificatesigningrequests")
+
+
+def _node_report_csr(spec: kopf.Spec, **_: Any) -> bool:
+    return bool(spec.get("signerName") == names.NODE_REPORT_SIGNER)
 
 
 def _runtime(memo: Any) -> Runtime:
@@ -186,6 +191,23 @@ def make_registry() -> kopf.OperatorRegistry:
         pools = {n: _first(kwargs["pool_specs"], n) for n in kwargs["pool_specs"]}
         labels = body.get("metadata", {}).get("labels") or {}
         await _apply_node(_runtime(memo), name, labels, body.get("status") or {}, pools)
+
+    # --- node certificates ---------------------------------------------------------------------
+
+    @kopf.on.event(*CSRS, when=_node_report_csr, registry=registry)
+    async def node_certificate_requested(type: str, body: kopf.Body, memo: Any, **_: Any) -> None:
+        if type != "DELETED":
+            await _runtime(memo).signer.handle(body)
+
+    @kopf.on.event(*GPUNODES, id="node_certificates", registry=registry)
+    async def node_certificates_revoked(
+        type: str, name: str, annotations: Mapping[str, str], memo: Any, **_: Any
+    ) -> None:
+        signer = _runtime(memo).signer
+        if type == "DELETED":
+            await signer.node_deleted(name)
+        else:
+            await signer.node_annotated(name, annotations)
 
     # --- DeviceAllocations: the nodes' reports ------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import functools
 import logging
 import os
@@ -44,7 +45,7 @@ from bettercompute.kube.client import (
     from_kopf,
     in_cluster_server,
 )
-from bettercompute.operator import certificates, handlers
+from bettercompute.operator import certificates, handlers, nodeca, nodecerts
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -172,13 +173,15 @@ async def started(
     db: Database | None = None,
     policy: PolicyEngine | None = None,
     signals: supervising.Signals | None = None,
+    revocation: nodecerts.Revocation | None = None,
 ) -> AsyncIterator[Operator]:
     """The operator, running while the block runs; every part stops when it ends.
 
     ``db`` and ``policy`` replace the ones ``config`` names (tests share their database and
     count decisions); kopf's shutdown cancels every task started after it, so kopf is started
     last and stopped first. ``signals``, when given, keeps SIGINT and SIGTERM from kopf, which
-    takes them for itself when it starts and would swallow the second one.
+    takes them for itself when it starts and would swallow the second one. ``revocation``
+    revokes node certificates (until the service's own is wired in).
     """
     engine = policy or policy_engine(config)
     connection = connection_info(config)
@@ -223,6 +226,16 @@ async def started(
             projector=projector,
             allocations=allocations,
             door=ReservationDoor(service=service, projector=projector, kube=kube),
+            signer=nodecerts.NodeSigner(
+                kube=kube,
+                agent=nodecerts.agent_username(config.namespace, config.node_agent_service_account),
+                authority=functools.partial(
+                    nodeca.load_or_create_ca, kube, config.namespace, config.node_ca_secret
+                ),
+                lifetime=config.node_certificate_lifetime,
+                # TODO(i12-attest): the service's revoke_node_certificates, once it lands.
+                revocation=revocation,
+            ),
         )
 
         def changed(rid: str) -> None:
@@ -360,7 +373,9 @@ cli = typer.Typer(add_completion=False)
 @cli.command(
     help=(
         "Run the Better Compute operator until SIGTERM or Ctrl-C: the Reservation, GPUPool, "
-        "GPUNode and DeviceAllocation handlers, the admission webhooks (/stamp, /check), the "
+        "GPUNode and DeviceAllocation handlers, the signer of node certificates "
+        "(CertificateSigningRequests of bcd.dev/node-report), the admission webhooks "
+        "(/stamp, /check), the "
         "reconciler and the HTTP API (with /healthz, /readyz and /metrics), against the "
         "cluster of the pod's service account, or $KUBECONFIG, or --api-server. Install the "
         "CRDs first (kubectl apply -f crds/).\n\n"
@@ -413,6 +428,37 @@ def run(
     api_token: Annotated[
         str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
     ] = None,
+    node_agent_service_account: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_NODE_AGENT_SERVICE_ACCOUNT",
+            help="The node agent's service account in the operator's namespace: only its "
+            "node-bound tokens get node certificates.",
+        ),
+    ] = "better-compute-device-plugin",
+    node_certificate_lifetime_hours: Annotated[
+        float,
+        typer.Option(
+            envvar="BCD_NODE_CERTIFICATE_LIFETIME_HOURS",
+            min=1.0,
+            help="The longest node certificate signed, in hours.",
+        ),
+    ] = 168.0,
+    node_certificate_grace_minutes: Annotated[
+        float,
+        typer.Option(
+            envvar="BCD_NODE_CERTIFICATE_GRACE_MINUTES",
+            min=0.0,
+            help="How long after its expiry a node certificate's reports still count.",
+        ),
+    ] = 60.0,
+    node_ca_secret: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_NODE_CA_SECRET",
+            help="The Secret holding the node CA (tls.crt, tls.key); created when missing.",
+        ),
+    ] = "better-compute-node-ca",
 ) -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     config = OperatorConfig(
@@ -429,6 +475,10 @@ def run(
         standalone=standalone,
         api_server=api_server,
         api_token=api_token,
+        node_agent_service_account=node_agent_service_account,
+        node_certificate_lifetime=dt.timedelta(hours=node_certificate_lifetime_hours),
+        node_certificate_grace=dt.timedelta(minutes=node_certificate_grace_minutes),
+        node_ca_secret=node_ca_secret,
     )
     try:
         asyncio.run(_serve(config))

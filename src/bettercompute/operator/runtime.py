@@ -18,6 +18,7 @@ from bettercompute.core.inventories import NodeSpec
 from bettercompute.kube.client import KubeClient
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.nodecerts import NodeSigner
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.service.clusters import ClusterService
@@ -38,6 +39,8 @@ class Runtime:
     projector: Projector
     allocations: AllocationSync
     door: ReservationDoor
+    #: Answers node certificate requests and revokes node certificates.
+    signer: NodeSigner
     #: The last NodeSpec written per node: a GPUNode heartbeat that changes nothing the placer
     #: reads must not bump the pool's inventory version (and empty the placement cache).
     applied_nodes: dict[str, NodeSpec] = field(default_factory=dict)
