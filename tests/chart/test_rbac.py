@@ -38,6 +38,7 @@ from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
+NODE_CA = "bc-better-compute-node-ca"
 
 # (kind, apiGroup, resource, resourceNames, verbs, who needs it)
 EXPECTED = [
@@ -70,12 +71,60 @@ EXPECTED = [
         "patch",
         "peering keep-alive",
     ),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "get", "nodecerts: the CSR's node"),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "certificates.k8s.io",
+        "certificatesigningrequests",
+        None,
+        "get list watch",
+        "kopf event, nodecerts",
+    ),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "certificates.k8s.io",
+        "certificatesigningrequests/approval",
+        None,
+        "update",
+        "nodecerts: approve or deny",
+    ),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "certificates.k8s.io",
+        "certificatesigningrequests/status",
+        None,
+        "update",
+        "nodecerts: the certificate",
+    ),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "certificates.k8s.io",
+        "signers",
+        ("bcd.dev/node-report",),
+        "approve sign",
+        "the API server's check on /approval and /status",
+    ),
     # --- the operator, in its namespace
     ("Role", OPERATOR, "bcd.dev", "deviceallocations", None, "create patch delete", "allocating"),
+    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca: the CA on first start"),
+    ("Role", OPERATOR, "", "secrets", (NODE_CA,), "get", "nodeca: the CA"),
     # --- the device plugin, everywhere (one GPUNode and one Node: its own)
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "", "nodes", None, "get", "publishing: Node labels"),
+    (
+        "ClusterRole",
+        DEVICE_PLUGIN,
+        "certificates.k8s.io",
+        "certificatesigningrequests",
+        None,
+        "create get watch",
+        "enrolling",
+    ),
     # --- the device plugin, in the operator's namespace
     ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations", None, "list watch", "watching"),
     ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations/status", None, "patch", "watching"),
@@ -90,6 +139,9 @@ NOT_EXERCISED = {
         ("customresourcedefinitions", "watch"),
         # The HTTP API authenticates its callers; the life is driven through objects.
         ("tokenreviews", "create"),
+        # Checked by the API server itself when the operator writes /approval and /status.
+        ("signers", "approve"),
+        ("signers", "sign"),
     },
     DEVICE_PLUGIN: {
         # Without --node-labels a new GPUNode copies its Node's labels; with labels that
@@ -134,9 +186,30 @@ def test_the_defaults_grant_the_same(defaults: rendering.Rendered, everything):
 
 
 def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
-    for kind, _, group, resource, _, verb in _granted(everything):
+    for kind, name, group, resource, names, verb in _granted(everything):
         assert "*" not in (group, resource, verb), kind
-        assert resource not in ("secrets", "pods", "configmaps"), resource
+        if resource == "secrets":
+            # The one exception: the operator's node CA, created once and then read by name.
+            assert (kind, name) == ("Role", OPERATOR)
+            assert (verb, names) in (("create", None), ("get", (NODE_CA,)))
+            continue
+        assert resource not in ("pods", "configmaps"), resource
+
+
+def test_node_certificates_off_grants_nothing_for_them(render):
+    off = render({"nodeCertificates": {"enabled": False}})
+    for _, _, group, resource, _, _ in _granted(off):
+        assert group != "certificates.k8s.io"
+        assert resource != "secrets"
+    plugin = rendering.env_of(next(rendering.containers(off.one("DaemonSet"))))
+    assert plugin["BCD_ENROL"] == "false"
+
+
+def test_with_cert_manager_the_operator_never_creates_the_ca(render):
+    values = {"nodeCertificates": {"certManager": {"enabled": True, "issuerRef": {"name": "root"}}}}
+    rendered = render(values)
+    secrets = {(verb, names) for _, _, _, r, names, verb in _granted(rendered) if r == "secrets"}
+    assert secrets == {("get", (NODE_CA,))}
 
 
 def test_each_service_account_is_bound_to_its_own_roles_and_used(everything: rendering.Rendered):
@@ -249,11 +322,21 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         api_server=kube_api.url,
         api_token="operator-token",
         allocation_resync_s=3600.0,
+        # As the chart sets them (BCD_NODE_AGENT_SERVICE_ACCOUNT, BCD_NODE_CA_SECRET).
+        node_agent_service_account=DEVICE_PLUGIN,
+        node_ca_secret=NODE_CA,
     )
+    # The device plugin's pod token, bound to its node: it enrols for a node certificate.
+    kube_api.tokens["plugin-token"] = {
+        "username": f"system:serviceaccount:{kubeworld.OPERATOR_NAMESPACE}:{DEVICE_PLUGIN}",
+        "uid": "plugin",
+        "groups": ["system:serviceaccounts"],
+        "extra": {"authentication.kubernetes.io/node-name": [agents.NODE]},
+    }
     node_config = agents.agent_config(kube=kube_api, node=node, api_token="plugin-token")
     async with operator_started(config, db=db) as operator:
         await operator.ready.wait()
-        async with agent_started(node_config):
+        async with agent_started(node_config) as agent:
             await node.kubelet.wait_registered([GPU])
             # The pool handler and the GPUNode handler both wrote (they race the agent's start):
             # a reservation made before the pool is known is refused, pool not found.
@@ -279,6 +362,11 @@ async def test_every_call_of_a_reservations_life_is_allowed(
             await kube_api.wait_for(DEVICEALLOCATIONS, ns, name, lambda o: o is None)
             await kube_api.delete(RESERVATIONS, "ml", "train")
             await kube_api.wait_for(RESERVATIONS, "ml", "train", lambda o: o is None)
+            async with asyncio.timeout(5):
+                while True:  # enrolled: every CSR call was made
+                    if agent.certificate_pem is not None:
+                        break
+                    await asyncio.sleep(0.02)
 
     for account, token in ((OPERATOR, "operator-token"), (DEVICE_PLUGIN, "plugin-token")):
         made = _requests_by(kube_api, token)
@@ -417,6 +505,9 @@ def test_the_policy_is_bound_and_matches_the_plugins_writes(defaults: rendering.
         for kind, name, _, resource, _, verb in _granted(defaults)
         if name == DEVICE_PLUGIN and verb in ("create", "patch", "update")
     }
+    # A CSR is the one write the policy leaves alone: CEL cannot read its PEM request, and the
+    # operator signs it only for the token's own node (tests/operator/test_node_certificates.py).
+    writes.discard("certificatesigningrequests")
     assert writes <= set(rule["resources"]), writes
     assert json.dumps(policy).count(f"serviceaccount:{rendering.NAMESPACE}:{DEVICE_PLUGIN}") == 1
 

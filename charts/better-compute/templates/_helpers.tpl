@@ -115,3 +115,8 @@ capabilities:
 {{- end }}
 {{- join "," $pairs }}
 {{- end }}
+
+{{- /* The Secret holding the node CA (tls.crt, tls.key). */ -}}
+{{- define "bcd.nodeCaSecretName" -}}
+{{- .Values.nodeCertificates.caSecret | default (printf "%s-node-ca" (include "bcd.fullname" .)) }}
+{{- end }}
