@@ -64,15 +64,18 @@ def enroller(
     client: KubeClient, key: NodeKey, tmp_path: Path, **options: Any
 ) -> enrolling.Enroller:
     handed: list[bytes] = options.pop("handed", [])
+    settings: dict[str, Any] = {
+        "wait_s": 1.0,
+        "backoff": supervising.Backoff(first_s=0.01, max_s=0.05),
+        **options,
+    }
     return enrolling.Enroller(
         client=client,
         node_name=NODE,
         key=key,
         certificate_file=tmp_path / "node" / "node-cert.pem",
         on_certificate=handed.append,
-        wait_s=1.0,
-        backoff=supervising.Backoff(first_s=0.01, max_s=0.05),
-        **options,
+        **settings,
     )
 
 
@@ -304,6 +307,21 @@ async def test_the_certificate_is_renewed_at_two_thirds_of_its_life(
         await until(lambda: len(handed) == 2)
     assert handed[0] != handed[1]
     assert (tmp_path / "node" / "node-cert.pem").read_bytes() == handed[1]
+
+
+async def test_the_answer_is_seen_through_the_watch_not_a_later_read(
+    kube_api: KubeApi,
+    client: KubeClient,
+    key: NodeKey,
+    authority: attestation.CertificateAuthority,
+    tmp_path: Path,
+) -> None:
+    handed: list[bytes] = []
+    async with running(enroller(client, key, tmp_path, handed=handed, wait_s=60.0)):
+        obj = await pending(kube_api)
+        await asyncio.sleep(0.2)  # the enroller is watching by now
+        await answer(kube_api, obj, authority=authority)
+        await until(lambda: bool(handed), within=2.0)
 
 
 def test_renewal_is_due_at_two_thirds_of_the_lifetime(

@@ -391,3 +391,15 @@ async def test_an_agent_with_another_nodes_token_never_gets_a_certificate(
         assert [condition(o, "Denied")["reason"] for o in denials()] == ["OtherNode"]  # type: ignore[index]
         listed = kube_api.emulator._snapshot(CSRS.resource, None, lambda _: True)
         assert not [o for o in listed if (o.get("status") or {}).get("certificate")]
+
+
+async def test_a_failed_write_is_tried_again_not_left_pending(
+    kube_api: KubeApi, world: World
+) -> None:
+    """kopf calls an event handler once; the signer itself retries an API that failed."""
+    path = "put /apis/certificates.k8s.io/v1/certificatesigningrequests/flaky/status"
+    failing = kube_api.emulator[path][:1] << 503
+    await ask(kube_api, "agent-on-node", csr_body("flaky", request_pem()))
+    obj = await outcome(kube_api, "flaky")
+    assert obj["status"]["certificate"]
+    assert len(failing) == 1

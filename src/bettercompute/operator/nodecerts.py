@@ -41,6 +41,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from bettercompute import supervising
 from bettercompute.core import attestation
 from bettercompute.kube import names, resources
 from bettercompute.kube.client import KubeClient, KubeError
@@ -52,6 +53,10 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 #: The only usage a node certificate is for: signing reports.
 USAGES = frozenset({"digital signature"})
 LIFETIME = dt.timedelta(days=7)
+#: How often one request is read and answered again after a conflict or a passing failure.
+ATTEMPTS = 8
+#: Statuses worth trying again (besides 5xx): no answer, too many requests.
+TRANSIENT = frozenset({0, 429})
 #: Annotate a GPUNode with a new value to revoke every certificate of the node.
 REVOKE_ANNOTATION = "bcd.dev/revoke-certificates"
 #: The last value of ``REVOKE_ANNOTATION`` the operator acted on.
@@ -150,6 +155,7 @@ class NodeSigner:
     lifetime: dt.timedelta = LIFETIME
     revocation: Revocation | None = None
     clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)
+    retry_first_s: float = 1.0
 
     async def handle(self, seen: Mapping[str, Any]) -> str:
         """Approve and sign, or deny, one request; what was done (for logs and tests).
@@ -159,16 +165,23 @@ class NodeSigner:
         version read, so of two writers (replicas, or an event handled twice) one gets 409
         and reads the request again."""
         name = str(seen["metadata"]["name"])
-        for _ in range(3):
-            current = await self.kube.get(resources.CERTIFICATE_SIGNING_REQUESTS, name)
-            if current is None:
-                return "gone"
+        # kopf calls an event handler once: a write the API failed is tried again here, or the
+        # request would wait for an event that never comes.
+        backoff = supervising.Backoff(first_s=self.retry_first_s, max_s=30.0)
+        for _ in range(ATTEMPTS):
             try:
+                current = await self.kube.get(resources.CERTIFICATE_SIGNING_REQUESTS, name)
+                if current is None:
+                    return "gone"
                 return await self._answer(current)
             except KubeError as e:
-                if e.status != 409:
+                if e.status == 409:  # another writer was first: read it again at once
+                    continue
+                if e.status not in TRANSIENT and e.status < 500:
                     raise
-        return "contended"
+                log.warning("CertificateSigningRequest %s: %s; trying again", name, e)
+                await backoff.wait()
+        return "gave up"
 
     async def _answer(self, csr: Mapping[str, Any]) -> str:
         spec = csr.get("spec") or {}
