@@ -22,6 +22,7 @@ def _env(rendered: rendering.Rendered, kind: str) -> dict[str, Any]:
 
 def test_the_defaults_enrol_every_node_and_name_the_agent(defaults: rendering.Rendered):
     operator = _env(defaults, "StatefulSet")
+    assert operator["BCD_NODE_CERTIFICATES"] == "true"
     assert operator["BCD_NODE_AGENT_SERVICE_ACCOUNT"] == "bc-better-compute-device-plugin"
     assert operator["BCD_NODE_CERTIFICATE_LIFETIME_HOURS"] == "168"
     assert operator["BCD_NODE_CERTIFICATE_GRACE_MINUTES"] == "60"

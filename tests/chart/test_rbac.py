@@ -198,6 +198,16 @@ def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
 
 def test_node_certificates_off_grants_nothing_for_them(render):
     off = render({"nodeCertificates": {"enabled": False}})
+    operator = rendering.env_of(next(rendering.containers(off.one("StatefulSet"))))
+    assert operator["BCD_NODE_CERTIFICATES"] == "false"
+    # ... and that operator's kopf needs nothing of them: its registry has no CSR handler.
+    registry = handlers.make_registry(node_certificates=False)
+    watched = {
+        h.selector.any_name
+        for h in registry._watching.get_all_handlers()
+        if h.selector.group == "certificates.k8s.io"
+    }
+    assert watched == set()
     for _, _, group, resource, _, _ in _granted(off):
         assert group != "certificates.k8s.io"
         assert resource != "secrets"

@@ -46,6 +46,8 @@ class OperatorConfig:
     tenant_group_prefix: str = "bcd.dev:tenant:"
     #: How often every node's DeviceAllocations are compared in full with the store.
     allocation_resync_s: float = 60.0
+    #: Sign node certificates and revoke them (off: no CSR handlers are registered).
+    node_certificates: bool = True
     #: The node agent's service account in ``namespace``: only its node-bound tokens get
     #: node certificates.
     node_agent_service_account: str = "better-compute-device-plugin"

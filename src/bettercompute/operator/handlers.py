@@ -59,7 +59,9 @@ def _retry(delay: float | None) -> None:
         raise kopf.TemporaryError("the core asked to try again later", delay=delay)
 
 
-def make_registry() -> kopf.OperatorRegistry:
+def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
+    """Every handler; ``node_certificates`` False leaves out the signer of node certificates
+    (a cluster that does not grant the operator CertificateSigningRequests)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -194,20 +196,8 @@ def make_registry() -> kopf.OperatorRegistry:
 
     # --- node certificates ---------------------------------------------------------------------
 
-    @kopf.on.event(*CSRS, when=_node_report_csr, registry=registry)
-    async def node_certificate_requested(type: str, body: kopf.Body, memo: Any, **_: Any) -> None:
-        if type != "DELETED":
-            await _runtime(memo).signer.handle(body)
-
-    @kopf.on.event(*GPUNODES, id="node_certificates", registry=registry)
-    async def node_certificates_revoked(
-        type: str, name: str, annotations: Mapping[str, str], memo: Any, **_: Any
-    ) -> None:
-        signer = _runtime(memo).signer
-        if type == "DELETED":
-            await signer.node_deleted(name)
-        else:
-            await signer.node_annotated(name, annotations)
+    if node_certificates:
+        _node_certificate_handlers(registry)
 
     # --- DeviceAllocations: the nodes' reports ------------------------------------------------
 
@@ -223,6 +213,23 @@ def make_registry() -> kopf.OperatorRegistry:
             runtime.projector.mark(rid)
 
     return registry
+
+
+def _node_certificate_handlers(registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.event(*CSRS, when=_node_report_csr, registry=registry)
+    async def node_certificate_requested(type: str, body: kopf.Body, memo: Any, **_: Any) -> None:
+        if type != "DELETED":
+            await _runtime(memo).signer.handle(body)
+
+    @kopf.on.event(*GPUNODES, id="node_certificates", registry=registry)
+    async def node_certificates_revoked(
+        type: str, name: str, annotations: Mapping[str, str], memo: Any, **_: Any
+    ) -> None:
+        signer = _runtime(memo).signer
+        if type == "DELETED":
+            await signer.node_deleted(name)
+        else:
+            await signer.node_annotated(name, annotations)
 
 
 async def _apply_nodes(

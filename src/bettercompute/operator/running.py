@@ -329,7 +329,7 @@ async def _run_kopf(
     signals: supervising.Signals | None,
 ) -> None:
     tasks = await kopf.spawn_tasks(
-        registry=handlers.make_registry(),
+        registry=handlers.make_registry(node_certificates=config.node_certificates),
         settings=kopf_settings(config),
         clusterwide=True,
         memo=kopf.Memo(runtime=runtime),
@@ -452,6 +452,14 @@ def run(
             help="How long after its expiry a node certificate's reports still count.",
         ),
     ] = 60.0,
+    node_certificates: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_NODE_CERTIFICATES",
+            help="Sign node certificates (CertificateSigningRequests of bcd.dev/node-report) "
+            "and revoke them with their GPUNode.",
+        ),
+    ] = True,
     node_ca_secret: Annotated[
         str,
         typer.Option(
@@ -479,6 +487,7 @@ def run(
         node_certificate_lifetime=dt.timedelta(hours=node_certificate_lifetime_hours),
         node_certificate_grace=dt.timedelta(minutes=node_certificate_grace_minutes),
         node_ca_secret=node_ca_secret,
+        node_certificates=node_certificates,
     )
     try:
         asyncio.run(_serve(config))
