@@ -176,11 +176,15 @@ async def test_the_agent_asks_for_its_own_node_and_key_and_keeps_the_certificate
     assert handed == [saved.read_bytes()]
     assert stat.S_IMODE(saved.stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "node" / "node-key.pem").stat().st_mode) == 0o600
-    cert = x509.load_pem_x509_certificate(saved.read_bytes())
-    assert (
-        attestation.verify_certificate(cert, authority=authority.certificate, node_name=NODE)
-        == "node"
+    cert = attestation.verify_certificate(
+        saved.read_bytes(),
+        authorities=[authority.certificate],
+        node_name=NODE,
+        now=dt.datetime.now(dt.UTC),
+        grace=attestation.OFFLINE_GRACE,
+        revoked=lambda _: False,
     )
+    assert cert.public_key() == key.public_key
     assert b"PRIVATE" not in base64.b64decode(spec["request"])
 
 

@@ -1,134 +1,151 @@
-"""Node certificates: the CA that issues them, the node's request, and the certificate's rules.
+"""Node certificates and signed node reports: the pure checks behind attested bindings.
 
-INTERIM COPY: branch i12-attest owns this module; this is the smallest form of its agreed API
-that the CSR work (enrolling and signing) needs, so that work builds and is tested before the
-real module lands. On merge, take i12-attest's file whole.
+Why it exists: a binding only counts when the node itself says so. Each node signs its reports
+with its own Ed25519 key, and a certificate issued by the node-report authority binds that key to
+the node's name and role. Everything here is the arithmetic of that trust: issuing and reading
+certificates and certificate requests, checking a certificate against the trusted authorities,
+and checking a signed report (the format is in docs/node-reports.md). The node agent, the
+operator, the service and ``dev`` all use these same functions, so there is one verifier.
 
-Why it exists: a node signs its allocation reports with its own Ed25519 key, and a verifier
-needs to know which node that key belongs to and whether it may still be trusted. A
-certificate from the operator's CA says so: subject CN = the node's name, O = its role
-(``node``), a validity window, a serial to revoke it by.
-
-Pure: no I/O, no clock (``now`` is passed in); what it must never do: accept a request or a
-certificate it could not check, or hand out the CA's key except through ``key_pem``.
+What it must never do: any I/O or clock read (callers pass ``now``), log or return key material
+other than what it is asked to encode, or accept a certificate or report it could not check.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
 ROLE_NODE = "node"
-#: Roles whose certificates may sign workload reports.
-WORKLOAD_ROLES = frozenset({ROLE_NODE, "node-tenant"})
-CA_NAME = "better-compute node CA"
-CA_LIFETIME = dt.timedelta(days=3650)
+# Roles whose certificates may sign workload (allocation) reports.
+WORKLOAD_ROLES = frozenset({"node", "node-tenant"})
+
+# Defaults the operator and the node agent share (documented in docs/node-reports.md).
+NODE_CERTIFICATE_LIFETIME = timedelta(days=7)
+OFFLINE_GRACE = timedelta(hours=1)
+
+ALGORITHM = "ed25519"
+PURPOSE = "attested-report"
+PHASES = ("Bound", "Failed", "Releasing", "Released")
+REPORT_FIELDS = frozenset(
+    {
+        "purpose",
+        "nodeName",
+        "allocationId",
+        "reservationId",
+        "phase",
+        "cdiDevices",
+        "envFile",
+        "pods",
+        "since",
+        "reportedAt",
+    }
+)
 
 
 class AttestationError(Exception):
-    """A request or certificate that does not pass; ``reason`` says which check failed."""
+    """A certificate, request or signed report that does not check out; ``reason`` says why."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
 
-
-@dataclasses.dataclass(frozen=True)
-class NodeRequest:
-    """What a node's certificate request asks for, once its self-signature verified."""
-
-    node_name: str
-    role: str
-    public_key: Ed25519PublicKey
+    def __str__(self) -> str:
+        return self.reason
 
 
-def _one(name: x509.Name, oid: x509.ObjectIdentifier, what: str) -> str:
-    values = name.get_attributes_for_oid(oid)
-    if len(values) != 1:
-        raise AttestationError(f"the subject must have exactly one {what}, not {len(values)}")
-    value = values[0].value
-    if not isinstance(value, str) or not value:
-        raise AttestationError(f"the subject's {what} is empty")
-    return value
-
-
-def certificate_request(key: Ed25519PrivateKey, *, node_name: str, role: str = ROLE_NODE) -> bytes:
-    """The PEM certificate request for ``node_name`` in ``role`` (CN, O), signed by ``key``."""
-    subject = x509.Name(
+def _name(node_name: str, role: str) -> x509.Name:
+    return x509.Name(
         [
             x509.NameAttribute(NameOID.COMMON_NAME, node_name),
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, role),
         ]
     )
-    csr = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, None)
-    return csr.public_bytes(serialization.Encoding.PEM)
 
 
-def read_request(csr_pem: bytes) -> NodeRequest:
-    """The node and role a PEM request asks for; ``AttestationError`` unless it is a well-formed
-    request with an Ed25519 key whose self-signature verifies."""
-    try:
-        csr = x509.load_pem_x509_csr(csr_pem)
-    except ValueError as e:
-        raise AttestationError(f"not a PEM certificate request: {e}") from e
-    key = csr.public_key()
-    if not isinstance(key, Ed25519PublicKey):
-        raise AttestationError(f"the key must be Ed25519, not {type(key).__name__}")
-    if not csr.is_signature_valid:
-        raise AttestationError("the request's self-signature does not verify")
-    return NodeRequest(
-        node_name=_one(csr.subject, NameOID.COMMON_NAME, "common name (CN)"),
-        role=_one(csr.subject, NameOID.ORGANIZATION_NAME, "organization (O)"),
-        public_key=key,
-    )
+def certificate_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
+@dataclass(frozen=True)
 class CertificateAuthority:
-    """The CA's certificate and key; issues node certificates."""
+    """The node-report authority: its self-signed certificate and Ed25519 key."""
 
-    def __init__(self, certificate: x509.Certificate, key: Ed25519PrivateKey) -> None:
-        self.certificate = certificate
-        self._key = key
+    certificate: x509.Certificate
+    key: Ed25519PrivateKey
 
     @classmethod
-    def generate(cls, *, now: dt.datetime) -> CertificateAuthority:
+    def generate(
+        cls,
+        *,
+        now: datetime,
+        name: str = "bcd node-report CA",
+        lifetime: timedelta = timedelta(days=3650),
+    ) -> CertificateAuthority:
         key = Ed25519PrivateKey.generate()
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        public_key = key.public_key()
         certificate = (
             x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(public_key)
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + CA_LIFETIME)
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
             .sign(key, None)
         )
-        return cls(certificate, key)
+        return cls(certificate=certificate, key=key)
 
     @classmethod
-    def from_pem(cls, cert_pem: bytes, key_pem: bytes) -> CertificateAuthority:
+    def from_pem(cls, certificate_pem: bytes, key_pem: bytes) -> CertificateAuthority:
         try:
-            certificate = x509.load_pem_x509_certificate(cert_pem)
-            key = serialization.load_pem_private_key(key_pem, password=None)
+            certificate = x509.load_pem_x509_certificate(certificate_pem)
         except ValueError as e:
-            raise AttestationError(f"the CA certificate or key is not PEM: {e}") from e
+            raise AttestationError(f"CA certificate: not a PEM certificate: {e}") from e
+        try:
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except (ValueError, TypeError) as e:
+            raise AttestationError(f"CA key: not an unencrypted PEM private key: {e}") from e
         if not isinstance(key, Ed25519PrivateKey):
-            raise AttestationError("the CA key must be Ed25519")
-        return cls(certificate, key)
+            raise AttestationError(f"CA key: not an Ed25519 key ({type(key).__name__})")
+        if certificate.public_key() != key.public_key():
+            raise AttestationError("CA key: does not match the CA certificate")
+        return cls(certificate=certificate, key=key)
 
     def certificate_pem(self) -> bytes:
         return certificate_pem(self.certificate)
 
     def key_pem(self) -> bytes:
-        return self._key.private_bytes(
+        return self.key.private_bytes(
             encoding=serialization.Encoding.PEM,
             format=serialization.PrivateFormat.PKCS8,
             encryption_algorithm=serialization.NoEncryption(),
@@ -140,22 +157,18 @@ class CertificateAuthority:
         public_key: Ed25519PublicKey,
         node_name: str,
         role: str,
-        now: dt.datetime,
-        lifetime: dt.timedelta,
+        now: datetime,
+        lifetime: timedelta,
     ) -> x509.Certificate:
-        subject = x509.Name(
-            [
-                x509.NameAttribute(NameOID.COMMON_NAME, node_name),
-                x509.NameAttribute(NameOID.ORGANIZATION_NAME, role),
-            ]
-        )
+        """A leaf certificate binding ``public_key`` to ``node_name`` (CN) and ``role`` (O)."""
         return (
             x509.CertificateBuilder()
-            .subject_name(subject)
+            .subject_name(_name(node_name, role))
             .issuer_name(self.certificate.subject)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=1))
+            # A minute back: a node's clock slightly behind ours must not see "not yet valid".
+            .not_valid_before(now - timedelta(minutes=1))
             .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
@@ -172,23 +185,172 @@ class CertificateAuthority:
                 ),
                 critical=True,
             )
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(self._key, None)
+            .sign(self.key, None)
         )
 
 
-def verify_certificate(
-    certificate: x509.Certificate, *, authority: x509.Certificate, node_name: str
-) -> str:
-    """The certificate's role, once it is the CA's and names ``node_name``."""
+@dataclass(frozen=True)
+class NodeRequest:
+    """What a node's certificate request asks for, once checked."""
+
+    node_name: str
+    role: str
+    public_key: Ed25519PublicKey
+
+
+def certificate_request(key: Ed25519PrivateKey, *, node_name: str, role: str = ROLE_NODE) -> bytes:
+    """A PEM certificate request for ``key``, subject CN=node_name, O=role."""
+    request = x509.CertificateSigningRequestBuilder().subject_name(_name(node_name, role))
+    return request.sign(key, None).public_bytes(serialization.Encoding.PEM)
+
+
+def _single(name: x509.Name, oid: x509.ObjectIdentifier, label: str) -> str:
+    values = name.get_attributes_for_oid(oid)
+    if len(values) != 1 or not isinstance(values[0].value, str) or not values[0].value:
+        raise AttestationError(f"subject must have exactly one non-empty {label}")
+    return values[0].value
+
+
+def read_request(csr_pem: bytes) -> NodeRequest:
+    """The node and role a certificate request names; it must be self-signed Ed25519 with only
+    CN and O in its subject."""
     try:
-        certificate.verify_directly_issued_by(authority)
-    except (ValueError, TypeError, InvalidSignature) as e:
-        raise AttestationError(f"not issued by the node CA: {e}") from e
-    if _one(certificate.subject, NameOID.COMMON_NAME, "common name (CN)") != node_name:
-        raise AttestationError(f"the certificate is not node {node_name!r}'s")
-    return _one(certificate.subject, NameOID.ORGANIZATION_NAME, "organization (O)")
+        request = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as e:
+        raise AttestationError(f"certificate request: not a PEM CSR: {e}") from e
+    public_key = request.public_key()
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise AttestationError(
+            f"certificate request: key is not Ed25519 ({type(public_key).__name__})"
+        )
+    if not request.is_signature_valid:
+        raise AttestationError("certificate request: signature does not verify")
+    oids = {attribute.oid for attribute in request.subject}
+    if oids != {NameOID.COMMON_NAME, NameOID.ORGANIZATION_NAME} or len(request.subject) != 2:
+        raise AttestationError("certificate request: subject must be exactly CN and O")
+    node_name = _single(request.subject, NameOID.COMMON_NAME, "CN")
+    role = _single(request.subject, NameOID.ORGANIZATION_NAME, "O")
+    return NodeRequest(node_name=node_name, role=role, public_key=public_key)
 
 
-def certificate_pem(certificate: x509.Certificate) -> bytes:
-    return certificate.public_bytes(serialization.Encoding.PEM)
+def load_certificate(certificate_pem: bytes | str) -> x509.Certificate:
+    data = certificate_pem.encode("ascii") if isinstance(certificate_pem, str) else certificate_pem
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as e:
+        raise AttestationError("certificate: not a PEM certificate") from e
+
+
+def _issued_by(cert: x509.Certificate, authorities: Sequence[x509.Certificate]) -> bool:
+    for authority in authorities:
+        try:
+            cert.verify_directly_issued_by(authority)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
+
+
+def _is_authority(cert: x509.Certificate) -> bool:
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        return False
+    return constraints.ca
+
+
+def verify_certificate(
+    certificate_pem: bytes | str,
+    *,
+    authorities: Sequence[x509.Certificate],
+    node_name: str,
+    now: datetime,
+    grace: timedelta,
+    revoked: Callable[[x509.Certificate], bool],
+    roles: frozenset[str] = WORKLOAD_ROLES,
+) -> x509.Certificate:
+    """The certificate, once it is issued by one of ``authorities`` to ``node_name`` in one of
+    ``roles``, valid at ``now`` (or expired less than ``grace`` ago) and not ``revoked``."""
+    cert = load_certificate(certificate_pem)
+    if not isinstance(cert.public_key(), Ed25519PublicKey):
+        raise AttestationError("certificate key is not Ed25519")
+    if not _issued_by(cert, authorities):
+        raise AttestationError("certificate is not issued by a trusted authority")
+    if _is_authority(cert):
+        raise AttestationError("certificate is an authority, not a node certificate")
+    try:
+        subject_node = _single(cert.subject, NameOID.COMMON_NAME, "CN")
+        role = _single(cert.subject, NameOID.ORGANIZATION_NAME, "O")
+    except AttestationError as e:
+        raise AttestationError(f"certificate {e}") from e
+    if subject_node != node_name:
+        raise AttestationError(f"certificate is for node {subject_node!r}, not {node_name!r}")
+    if role not in roles:
+        raise AttestationError(f"certificate role {role!r} may not sign these reports")
+    if now < cert.not_valid_before_utc:
+        raise AttestationError("certificate not yet valid")
+    if now > cert.not_valid_after_utc + grace:
+        raise AttestationError("certificate expired")
+    if revoked(cert):
+        raise AttestationError("certificate revoked")
+    return cert
+
+
+# --- signed reports -------------------------------------------------------------------------
+
+
+def canonical_bytes(document: Mapping[str, Any]) -> bytes:
+    """One report, one encoding: keys sorted, no whitespace, UTF-8 as itself, no NaN."""
+    return json.dumps(
+        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    raw = public_key.public_bytes(
+        encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw
+    )
+    return f"{ALGORITHM}:{hashlib.sha256(raw).digest()[:16].hex()}"
+
+
+def _decode(block: Mapping[str, Any], field: str) -> bytes:
+    value = block.get(field)
+    if not isinstance(value, str):
+        raise AttestationError(f"signature.{field}: must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as e:
+        raise AttestationError(f"signature.{field}: not valid base64: {e}") from e
+
+
+def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey) -> dict[str, Any]:
+    """The report a signature block carries, once every check passed (docs/node-reports.md)."""
+    if signature.get("algorithm") != ALGORITHM:
+        raise AttestationError(
+            f"signature.algorithm: {signature.get('algorithm')!r} is not ed25519"
+        )
+    if signature.get("keyId") != key_id(public_key):
+        raise AttestationError(f"signature.keyId: {signature.get('keyId')!r} is not this key")
+    payload = _decode(signature, "payload")
+    value = _decode(signature, "value")
+    try:
+        public_key.verify(value, payload)
+    except InvalidSignature as e:
+        raise AttestationError("signature.value: does not verify over the payload") from e
+    try:
+        document = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AttestationError(f"signature.payload: not UTF-8 JSON: {e}") from e
+    if not isinstance(document, dict) or set(document) != REPORT_FIELDS:
+        raise AttestationError(f"signature.payload: must be an object with {sorted(REPORT_FIELDS)}")
+    try:
+        canonical = canonical_bytes(document)
+    except ValueError as e:
+        raise AttestationError(f"signature.payload: {e}") from e
+    if canonical != payload:
+        raise AttestationError("signature.payload: not in canonical form")
+    if document["purpose"] != PURPOSE:
+        raise AttestationError(f"signature.payload.purpose: {document['purpose']!r}")
+    if document["phase"] not in PHASES:
+        raise AttestationError(f"signature.payload.phase: {document['phase']!r}")
+    return document

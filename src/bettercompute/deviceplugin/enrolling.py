@@ -57,7 +57,7 @@ from bettercompute.kube.client import KubeClient, KubeError
 log = logging.getLogger(__name__)
 
 #: What a node certificate is asked for; the operator may give less.
-LIFETIME = dt.timedelta(days=7)
+LIFETIME = attestation.NODE_CERTIFICATE_LIFETIME
 #: A certificate is renewed once this share of its lifetime has passed.
 RENEW_AT = 2 / 3
 #: Usages the request names: the certificate only signs reports.

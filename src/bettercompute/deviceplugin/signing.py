@@ -36,41 +36,27 @@ it cannot verify.
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import dataclasses
 import datetime
-import hashlib
-import json
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from bettercompute.core import attestation
 
-ALGORITHM = "ed25519"
-PURPOSE = "attested-report"
-PHASES = ("Bound", "Failed", "Releasing", "Released")
-REPORT_FIELDS = frozenset(
-    {
-        "purpose",
-        "nodeName",
-        "allocationId",
-        "reservationId",
-        "phase",
-        "cdiDevices",
-        "envFile",
-        "pods",
-        "since",
-        "reportedAt",
-    }
-)
+# The format lives in core.attestation, shared with every verifier; re-exported for callers.
+ALGORITHM = attestation.ALGORITHM
+PURPOSE = attestation.PURPOSE
+PHASES = attestation.PHASES
+REPORT_FIELDS = attestation.REPORT_FIELDS
+canonical_bytes = attestation.canonical_bytes
+key_id = attestation.key_id
 
 
 class SigningError(Exception):
@@ -110,23 +96,10 @@ class Report:
         }
 
 
-def canonical_bytes(document: Mapping[str, Any]) -> bytes:
-    return json.dumps(
-        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
-
-
 def rfc3339(epoch_ms: int) -> str:
     """``2026-12-02T14:00:00.000Z``: UTC, millisecond precision."""
     moment = datetime.datetime.fromtimestamp(epoch_ms / 1000, tz=datetime.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{epoch_ms % 1000:03d}Z"
-
-
-def key_id(public_key: Ed25519PublicKey) -> str:
-    raw = public_key.public_bytes(
-        encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw
-    )
-    return f"{ALGORITHM}:{hashlib.sha256(raw).digest()[:16].hex()}"
 
 
 class NodeKey:
@@ -213,41 +186,12 @@ class NodeKey:
         }
 
 
-def _decode(block: Mapping[str, Any], field: str) -> bytes:
-    value = block.get(field)
-    if not isinstance(value, str):
-        raise SignatureError(f"signature.{field}: must be a base64 string")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error as e:
-        raise SignatureError(f"signature.{field}: not valid base64: {e}") from e
-
-
 def verify(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey) -> dict[str, Any]:
-    """The report a signature block carries, once every check passed."""
-    if signature.get("algorithm") != ALGORITHM:
-        raise SignatureError(f"signature.algorithm: {signature.get('algorithm')!r} is not ed25519")
-    if signature.get("keyId") != key_id(public_key):
-        raise SignatureError(f"signature.keyId: {signature.get('keyId')!r} is not this key")
-    payload = _decode(signature, "payload")
-    value = _decode(signature, "value")
+    """The report a signature block carries, once every check passed (core.attestation)."""
     try:
-        public_key.verify(value, payload)
-    except InvalidSignature as e:
-        raise SignatureError("signature.value: does not verify over the payload") from e
-    try:
-        document = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SignatureError(f"signature.payload: not UTF-8 JSON: {e}") from e
-    if not isinstance(document, dict) or set(document) != REPORT_FIELDS:
-        raise SignatureError(f"signature.payload: must be an object with {sorted(REPORT_FIELDS)}")
-    if canonical_bytes(document) != payload:
-        raise SignatureError("signature.payload: not in canonical form")
-    if document["purpose"] != PURPOSE:
-        raise SignatureError(f"signature.payload.purpose: {document['purpose']!r}")
-    if document["phase"] not in PHASES:
-        raise SignatureError(f"signature.payload.phase: {document['phase']!r}")
-    return document
+        return attestation.verify_report(signature=signature, public_key=public_key)
+    except attestation.AttestationError as e:
+        raise SignatureError(e.reason) from e
 
 
 def public_key_from_pem(data: bytes) -> Ed25519PublicKey:

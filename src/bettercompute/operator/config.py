@@ -11,6 +11,8 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from bettercompute.core import attestation
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -52,9 +54,9 @@ class OperatorConfig:
     #: node certificates.
     node_agent_service_account: str = "better-compute-device-plugin"
     #: The longest node certificate the operator signs (a node may ask for less).
-    node_certificate_lifetime: dt.timedelta = dt.timedelta(days=7)
+    node_certificate_lifetime: dt.timedelta = attestation.NODE_CERTIFICATE_LIFETIME
     #: How long after expiry a node certificate's reports are still accepted (a node that was
     #: offline when it should have renewed); read by the report verifier.
-    node_certificate_grace: dt.timedelta = dt.timedelta(hours=1)
+    node_certificate_grace: dt.timedelta = attestation.OFFLINE_GRACE
     #: The Secret (in ``namespace``) holding the node CA's certificate and key.
     node_ca_secret: str = "better-compute-node-ca"

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 #: The only usage a node certificate is for: signing reports.
 USAGES = frozenset({"digital signature"})
-LIFETIME = dt.timedelta(days=7)
+LIFETIME = attestation.NODE_CERTIFICATE_LIFETIME
 #: How often one request is read and answered again after a conflict or a passing failure.
 ATTEMPTS = 8
 #: Statuses worth trying again (besides 5xx): no answer, too many requests.
