@@ -23,7 +23,7 @@ TEST_DB = "bettercompute_test"
 _TABLES = (
     "audit_log, outbox, outbox_cursors, work_queue, extend_holds, authz_resources, bookings,"
     " allocations, idempotency, reservations, atoms, nodes, budgets, quotas, offers, pools,"
-    " tenants"
+    " tenants, node_certificate_revocations, revoked_certificates"
 )
 
 

@@ -658,6 +658,7 @@ BINDING_VIEWS: dict[str, tuple[list[Allocation], dict[str, Any]]] = {
             "nodeIds": ["n1"],
             "allocationIds": ["alloc_n1"],
             "cdiDevices": ["bcd.dev/gpu=n1-0"],
+            "attested": False,
             "envFile": "/run/bcd/allocations/alloc_n1.env",
         },
     ),
@@ -668,6 +669,7 @@ BINDING_VIEWS: dict[str, tuple[list[Allocation], dict[str, Any]]] = {
             "nodeIds": ["n1", "n2"],
             "allocationIds": ["alloc_n1", "alloc_n2"],
             "cdiDevices": ["bcd.dev/gpu=n1-0", "bcd.dev/gpu=n2-0"],
+            "attested": False,
             "envFile": "/run/bcd/allocations/alloc_n1.env",
             "envFiles": [
                 "/run/bcd/allocations/alloc_n1.env",
@@ -677,7 +679,26 @@ BINDING_VIEWS: dict[str, tuple[list[Allocation], dict[str, Any]]] = {
     ),
     "no report details: no devices, no env file": (
         [alloc("n1", "bound")],
-        {"nodeId": "n1", "nodeIds": ["n1"], "allocationIds": ["alloc_n1"], "cdiDevices": []},
+        {
+            "nodeId": "n1",
+            "nodeIds": ["n1"],
+            "allocationIds": ["alloc_n1"],
+            "cdiDevices": [],
+            "attested": False,
+        },
+    ),
+    "attested only when every node's report was": (
+        [
+            Allocation(id="alloc_n1", node_id="n1", state="bound", report={"attested": True}),
+            Allocation(id="alloc_n2", node_id="n2", state="bound", report={"attested": True}),
+        ],
+        {
+            "nodeId": "n1",
+            "nodeIds": ["n1", "n2"],
+            "allocationIds": ["alloc_n1", "alloc_n2"],
+            "cdiDevices": [],
+            "attested": True,
+        },
     ),
 }
 

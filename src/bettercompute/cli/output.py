@@ -205,6 +205,8 @@ def _binding(view: Mapping[str, Any]) -> str:
     for key in ("envFile", "cgroupParent"):
         if binding.get(key):
             lines.append(f"{key}: {binding[key]}")
+    if "attested" in binding:
+        lines.append(f"attested: {'yes' if binding['attested'] else 'no'}")
     return "\n".join(lines)
 
 

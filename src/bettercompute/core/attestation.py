@@ -36,6 +36,10 @@ WORKLOAD_ROLES = frozenset({"node", "node-tenant"})
 NODE_CERTIFICATE_LIFETIME = timedelta(days=7)
 OFFLINE_GRACE = timedelta(hours=1)
 
+# A certificate's notBefore is this much before its issue: a verifier whose clock is slightly
+# behind the issuer's must not see "not yet valid". ``issued_at`` undoes it for revocation.
+ISSUE_BACKDATE = timedelta(minutes=1)
+
 ALGORITHM = "ed25519"
 PURPOSE = "attested-report"
 PHASES = ("Bound", "Failed", "Releasing", "Released")
@@ -167,8 +171,7 @@ class CertificateAuthority:
             .issuer_name(self.certificate.subject)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
-            # A minute back: a node's clock slightly behind ours must not see "not yet valid".
-            .not_valid_before(now - timedelta(minutes=1))
+            .not_valid_before(now - ISSUE_BACKDATE)
             .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
@@ -231,6 +234,24 @@ def read_request(csr_pem: bytes) -> NodeRequest:
     node_name = _single(request.subject, NameOID.COMMON_NAME, "CN")
     role = _single(request.subject, NameOID.ORGANIZATION_NAME, "O")
     return NodeRequest(node_name=node_name, role=role, public_key=public_key)
+
+
+def issued_at(cert: x509.Certificate) -> datetime:
+    """When the authority issued ``cert`` (its notBefore, less the backdating ``issue`` adds)."""
+    return cert.not_valid_before_utc + ISSUE_BACKDATE
+
+
+@dataclass(frozen=True)
+class Revocations:
+    """A node's revoked certificates: all issued at or before ``before``, and ``serials``."""
+
+    before: datetime | None = None
+    serials: frozenset[int] = frozenset()
+
+    def __call__(self, cert: x509.Certificate) -> bool:
+        if cert.serial_number in self.serials:
+            return True
+        return self.before is not None and issued_at(cert) <= self.before
 
 
 def load_certificate(certificate_pem: bytes | str) -> x509.Certificate:
@@ -354,3 +375,84 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
     if document["phase"] not in PHASES:
         raise AttestationError(f"signature.payload.phase: {document['phase']!r}")
     return document
+
+
+# --- attested bindings ----------------------------------------------------------------------
+
+UNSIGNED = "unsigned report"
+NO_CERTIFICATE = "the report carries no node certificate"
+NOT_THIS_BINDING = "the signed report is not this allocation bound"
+
+
+@dataclass(frozen=True)
+class AttestedBinding:
+    """A bound report that checked out: what the node signed, exactly as received."""
+
+    payload: bytes
+    signature: bytes
+    key_id: str
+    certificate_pem: str
+    serial: int
+    cdi_devices: tuple[str, ...]
+    env_file: str | None
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """The trust a binding needs: certificates chained to ``authorities``, expired at most
+    ``grace`` ago."""
+
+    authorities: tuple[x509.Certificate, ...]
+    grace: timedelta = OFFLINE_GRACE
+
+    def verify_binding(
+        self,
+        signature: Mapping[str, Any] | None,
+        *,
+        node_name: str,
+        allocation_id: str,
+        reservation_id: str,
+        now: datetime,
+        revoked: Callable[[x509.Certificate], bool],
+    ) -> AttestedBinding:
+        """The binding a signature block attests, once it is signed by a current, unrevoked
+        certificate of ``node_name`` and says exactly "this allocation is bound"."""
+        if not signature or not signature.get("value") or not signature.get("payload"):
+            raise AttestationError(UNSIGNED)
+        certificate = signature.get("certificate")
+        if not isinstance(certificate, str) or not certificate:
+            raise AttestationError(NO_CERTIFICATE)
+        cert = verify_certificate(
+            certificate,
+            authorities=self.authorities,
+            node_name=node_name,
+            now=now,
+            grace=self.grace,
+            revoked=revoked,
+        )
+        public_key = cert.public_key()
+        assert isinstance(public_key, Ed25519PublicKey)  # verify_certificate checked it
+        document = verify_report(signature=signature, public_key=public_key)
+        expected = {
+            "nodeName": node_name,
+            "allocationId": allocation_id,
+            "reservationId": reservation_id,
+            "phase": "Bound",
+        }
+        if any(document[field] != value for field, value in expected.items()):
+            raise AttestationError(NOT_THIS_BINDING)
+        cdi_devices = document["cdiDevices"]
+        env_file = document["envFile"]
+        if not isinstance(cdi_devices, list) or not all(isinstance(d, str) for d in cdi_devices):
+            raise AttestationError("signature.payload.cdiDevices: must be a list of strings")
+        if env_file is not None and not isinstance(env_file, str):
+            raise AttestationError("signature.payload.envFile: must be a string or null")
+        return AttestedBinding(
+            payload=_decode(signature, "payload"),
+            signature=_decode(signature, "value"),
+            key_id=str(signature["keyId"]),
+            certificate_pem=certificate,
+            serial=cert.serial_number,
+            cdi_devices=tuple(cdi_devices),
+            env_file=env_file,
+        )

@@ -425,6 +425,9 @@ def binding_view(allocations: Sequence[Allocation]) -> dict[str, Any]:
         "nodeIds": [a.node_id for a in allocations],
         "allocationIds": [a.id for a in allocations],
         "cdiDevices": [d for r in reports for d in r.get("cdiDevices", [])],
+        # Whether every node's bound report was signed by that node's certified key and
+        # checked before it counted (attested bindings).
+        "attested": all(r.get("attested") is True for r in reports),
     }
     env_files = [r["envFile"] for r in reports if r.get("envFile")]
     if env_files:

@@ -130,6 +130,7 @@ class Converger:
         desired: DesiredAllocations,
         reporter: StatusReporter,
         key: signing.NodeKey,
+        certificate: Callable[[], str | None] | None = None,
         clock: Callable[[], int] = wall_clock_ms,
         pass_seconds: float = PASS_SECONDS,
         retry_on: tuple[type[Exception], ...] = (OSError,),
@@ -142,6 +143,11 @@ class Converger:
         self.desired = desired
         self.reporter = reporter
         self.key = key
+        # The node's current certificate (PEM) for ``key``, sent with each signature so the
+        # control plane can check the key belongs to this node; whoever enrols the node (the
+        # certificate request flow) sets or replaces it. None: reports go without one, and the
+        # control plane does not count their bindings.
+        self.certificate = certificate
         self.clock = clock
         self.pass_seconds = pass_seconds
         # Failures the next pass can heal (the API server restarting): the composition root
@@ -427,10 +433,17 @@ class Converger:
                 pods=list(status.pods),
                 since=status.since,
                 reportedAt=report.reported_at,
-                signature=shapes.Signature.model_validate(self.key.sign(report)),
+                signature=shapes.Signature.model_validate(self._sign(report)),
             ).document(),
         )
         self._reported[allocation_id] = status
+
+    def _sign(self, report: signing.Report) -> dict[str, str]:
+        block = self.key.sign(report)
+        certificate = self.certificate() if self.certificate is not None else None
+        if certificate:
+            block["certificate"] = certificate
+        return block
 
     def _log_once(self, key: str, message: str) -> None:
         if self._logged.get(key) != message:

@@ -89,6 +89,8 @@ class Signature(_Read):
     algorithm: str | None = None
     payload: str | None = None
     value: str | None = None
+    #: The node's certificate (PEM) from the node-report authority; its key made ``value``.
+    certificate: str | None = Field(default=None, max_length=16384)
 
 
 Phase = Literal["Bound", "Failed", "Releasing", "Released"]

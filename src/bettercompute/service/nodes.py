@@ -2,8 +2,9 @@
 
 Why a service of its own: a node agent (the simulator's, later the device plugin's) needs one
 read the reservation API does not offer, its node's desired allocations. It reports back
-through ``ReservationService.report``, the same call every node uses; this class never changes
-anything.
+through ``ReservationService.report``, the same call every node uses. The only writes here
+are revocations of node certificates (attested bindings): after one, no report signed with a
+revoked certificate binds anything.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bettercompute.kube import allocations
-from bettercompute.store import desired
+from bettercompute.store import desired, reports
 from bettercompute.store.database import Database
 
 
@@ -35,3 +36,12 @@ class NodeService:
     async def node_ids(self) -> list[str]:
         """Every node the database knows."""
         return await desired.node_ids(self.db)
+
+    async def revoke_node_certificates(self, node_id: str) -> None:
+        """Every certificate issued to ``node_id`` until now stops counting (the node was
+        removed or is no longer trusted); certificates issued later count again."""
+        await reports.revoke_node_certificates(self.db, node_id=node_id)
+
+    async def revoke_certificate(self, serial: int) -> None:
+        """The one certificate with ``serial`` stops counting."""
+        await reports.revoke_certificate(self.db, serial=serial)

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from bettercompute import supervising
 from bettercompute.core import answers, errors, ids, pools, ports, requests, states
+from bettercompute.core import attestation as attestation_
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
 from bettercompute.store import (
     admission,
@@ -65,11 +66,16 @@ class ReservationService:
         budget: ports.BudgetCheck,
         root_tenant_id: str | None = None,
         holder: holding.Holder | None = None,
+        attestation: attestation_.Attestation | None = None,
     ):
         self.db = db
         self.policy = policy
         self.budget = budget
         self.root_tenant_id = root_tenant_id
+        # Attested bindings: with it, a bound report counts only when the node's certificate
+        # and signature check out (core.attestation). The operator and ``dev`` always give it;
+        # only low-level tests of the lifecycle run without.
+        self.attestation = attestation
         # The session that owns this process's claims and extend holds; one per process and
         # database unless given (a test playing a second replica gives its own).
         self.holder = holder or holding.holder_of(db)
@@ -553,10 +559,49 @@ class ReservationService:
     async def report(
         self, *, node_id: str, allocation_id: str, kind: str, details: Mapping[str, Any]
     ) -> bool:
-        """A node's report (bound, failed, releasing, released) on one of its allocations."""
+        """A node's report (bound, failed, releasing, released) on one of its allocations.
+
+        With attestation on, a bound report binds only if its signature block verifies (see
+        ``core.attestation.Attestation.verify_binding``); one that does not is rejected, the
+        reason published as ``reservation.binding-rejected``, and ``False`` returned."""
+        attest: reports.Attest | None = None
+        if self.attestation is not None:
+            attest = functools.partial(
+                _verify_binding,
+                self.attestation,
+                details.get("signature"),
+                node_id,
+                allocation_id,
+            )
         return await reports.report(
-            self.db, node_id=node_id, allocation_id=allocation_id, kind=kind, details=details
+            self.db,
+            node_id=node_id,
+            allocation_id=allocation_id,
+            kind=kind,
+            details=details,
+            attest=attest,
         )
+
+
+def _verify_binding(
+    trust: attestation_.Attestation,
+    signature: Any,
+    node_id: str,
+    allocation_id: str,
+    reservation_id: str,
+    now: Any,
+    revoked: attestation_.Revocations,
+) -> attestation_.AttestedBinding:
+    if signature is not None and not isinstance(signature, Mapping):
+        raise attestation_.AttestationError(attestation_.UNSIGNED)
+    return trust.verify_binding(
+        signature,
+        node_name=node_id,
+        allocation_id=allocation_id,
+        reservation_id=reservation_id,
+        now=now,
+        revoked=revoked,
+    )
 
 
 async def admission_pool(db: Database, pool_id: str, tenant_id: str) -> pools.PoolInfo | None:

@@ -4,22 +4,41 @@ One entry point for every node, real or simulated. A report is accepted only for
 placed on the reporting node; one naming another node's allocation is ignored exactly like an
 unknown one. The report moves the allocation and wakes its reservation's reconcile, which
 judges it; nothing here changes a reservation's state.
+
+Attested bindings: given ``attest`` (the service's check of the node's signature and
+certificate), a bound report counts only when the check passes, inside the same transaction
+that reads the node's revocations. Then the binding is what the node signed, marked
+``attested``, and the signed bytes are kept as received. A report that fails the check never
+binds: in an allocation still binding nothing counts; a bound one is lost (its reservation
+shows ``Degraded/BindingLost``); either way ``reservation.binding-rejected`` is published with
+the reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 
-from bettercompute.core import errors
+from bettercompute.core import attestation, errors
 from bettercompute.store import clock, journal, placing
-from bettercompute.store.database import Database, jsonb
+from bettercompute.store.database import Conn, Database, jsonb
 
 REPORT_KINDS = ("bound", "failed", "releasing", "released")
 
+#: Checks a bound report given (reservation id, now, the node's revocations); raises
+#: ``AttestationError`` with the reason it does not count.
+Attest = Callable[[str, datetime, attestation.Revocations], attestation.AttestedBinding]
+
 
 async def report(
-    db: Database, *, node_id: str, allocation_id: str, kind: str, details: Mapping[str, Any]
+    db: Database,
+    *,
+    node_id: str,
+    allocation_id: str,
+    kind: str,
+    details: Mapping[str, Any],
+    attest: Attest | None = None,
 ) -> bool:
     """A node's report on one of its allocations; ``False`` when ignored.
 
@@ -52,12 +71,43 @@ async def report(
         new_state = _next_allocation_state(alloc["state"], kind)
         if new_state is None:
             return False
+        signed: attestation.AttestedBinding | None = None
+        if kind == "bound" and attest is not None:
+            now = await clock.current_time(conn)
+            try:
+                signed = attest(
+                    alloc["reservation_id"], now, await revocations(conn, node_id=node_id)
+                )
+            except attestation.AttestationError as e:
+                await _reject(conn, alloc, pool_id=pool_row["pool_id"], reason=e.reason)
+                return False
+            details = {"cdiDevices": list(signed.cdi_devices), "attested": True}
+            if signed.env_file:
+                details["envFile"] = signed.env_file
         report_body = {**(alloc["report"] or {}), **dict(details), "kind": kind}
+        if kind == "bound" and signed is None:
+            report_body.pop("attested", None)
+        if kind == "bound":
+            # The binding is exactly what this report says: nothing of an earlier one lingers.
+            report_body = {k: v for k, v in report_body.items() if k in details or k == "kind"}
         await conn.execute(
             "UPDATE allocations SET state = %s, report = %s, updated_at = compute_now(),"
-            " bound_at = CASE WHEN %s = 'bound' THEN compute_now() ELSE bound_at END"
+            " bound_at = CASE WHEN %s = 'bound' THEN compute_now() ELSE bound_at END,"
+            " bound_report = CASE WHEN %s THEN %s ELSE bound_report END,"
+            " bound_sig = CASE WHEN %s THEN %s ELSE bound_sig END,"
+            " bound_sig_kid = CASE WHEN %s THEN %s ELSE bound_sig_kid END,"
+            " bound_certificate = CASE WHEN %s THEN %s ELSE bound_certificate END"
             " WHERE id = %s",
-            (new_state, jsonb(report_body), new_state, allocation_id),
+            (
+                new_state,
+                jsonb(report_body),
+                new_state,
+                *(signed is not None, signed and signed.payload),
+                *(signed is not None, signed and signed.signature),
+                *(signed is not None, signed and signed.key_id),
+                *(signed is not None, signed and signed.certificate_pem),
+                allocation_id,
+            ),
         )
         if new_state == "released" and alloc["state"] == "releasing":
             # The node confirmed its devices are free: end the held booking now.
@@ -74,6 +124,69 @@ async def report(
             await journal.wake_pending(conn, pool_id=pool_row["pool_id"])
         await journal.wake(conn, reservation_id=alloc["reservation_id"], at=None, why=kind)
     return True
+
+
+async def revocations(conn: Conn, *, node_id: str) -> attestation.Revocations:
+    """The node's revoked certificates: those issued before its cut-off, and revoked serials."""
+    before = await (
+        await conn.execute(
+            "SELECT revoked_before FROM node_certificate_revocations WHERE node_id = %s",
+            (node_id,),
+        )
+    ).fetchone()
+    serials = await (await conn.execute("SELECT serial FROM revoked_certificates")).fetchall()
+    return attestation.Revocations(
+        before=before["revoked_before"] if before else None,
+        serials=frozenset(int(row["serial"]) for row in serials),
+    )
+
+
+async def revoke_node_certificates(db: Database, *, node_id: str) -> None:
+    """Every certificate issued to ``node_id`` up to now stops counting, for good."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO node_certificate_revocations (node_id, revoked_before)"
+            " VALUES (%s, compute_now()) ON CONFLICT (node_id) DO UPDATE"
+            " SET revoked_before = greatest(node_certificate_revocations.revoked_before,"
+            " excluded.revoked_before), updated_at = compute_now()",
+            (node_id,),
+        )
+
+
+async def revoke_certificate(db: Database, *, serial: int) -> None:
+    """The certificate with ``serial`` stops counting, for good."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "INSERT INTO revoked_certificates (serial) VALUES (%s) ON CONFLICT DO NOTHING",
+            (serial,),
+        )
+
+
+async def _reject(conn: Conn, alloc: Mapping[str, Any], *, pool_id: str, reason: str) -> None:
+    """A bound report that did not check out: it never binds, and says so in the outbox."""
+    lost = alloc["state"] == "bound"
+    await conn.execute(
+        "UPDATE allocations SET state = CASE WHEN state = 'bound' THEN 'lost' ELSE state END,"
+        " report = CASE WHEN state = 'bound' THEN %s ELSE report END,"
+        " bound_at = NULL, bound_report = NULL, bound_sig = NULL, bound_sig_kid = NULL,"
+        " bound_certificate = NULL, updated_at = compute_now() WHERE id = %s",
+        (jsonb({"kind": "rejected", "reason": reason}), alloc["id"]),
+    )
+    await journal.emit(
+        conn,
+        "reservation.binding-rejected",
+        reservation_id=alloc["reservation_id"],
+        data={
+            "state": alloc["reservation_state"],
+            "poolId": pool_id,
+            "allocationId": alloc["id"],
+            "nodeId": alloc["node_id"],
+            "reason": reason,
+            "bindingLost": lost,
+        },
+    )
+    if lost:
+        await journal.wake(conn, reservation_id=alloc["reservation_id"], at=None, why="rejected")
 
 
 def _next_allocation_state(current: str, kind: str) -> str | None:
