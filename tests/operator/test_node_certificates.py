@@ -44,30 +44,12 @@ NODE, OTHER = "h100-node-0", "h100-node-1"
 NODE_NAME = "authentication.kubernetes.io/node-name"
 
 
-class Revocations:
-    """The revocation port as the service answers it: every node revoked, in order."""
-
-    def __init__(self) -> None:
-        self.nodes: list[str] = []
-        self.changed = asyncio.Event()
-
-    async def revoke_node_certificates(self, node_id: str) -> int:
-        self.nodes.append(node_id)
-        self.changed.set()
-        return 1
-
-
-@pytest.fixture
-def revocations() -> Revocations:
-    return Revocations()
-
-
 @pytest.fixture
 async def operator(
-    kube_api: KubeApi, db: Database, policy: CountingPolicy, revocations: Revocations
+    kube_api: KubeApi, db: Database, policy: CountingPolicy
 ) -> AsyncIterator[Operator]:
     config = operator_config(kube_api, db, node_certificate_lifetime=dt.timedelta(days=2))
-    async with operator_started(config, db=db, policy=policy, revocation=revocations) as op:
+    async with operator_started(config, db=db, policy=policy) as op:
         await op.ready.wait()
         yield op
 
@@ -317,18 +299,35 @@ async def test_other_signers_are_left_alone(kube_api: KubeApi, world: World) -> 
     assert kube_api.stored(CSRS, None, "kubelet").get("status") is None  # type: ignore[union-attr]
 
 
-async def test_deleting_a_gpunode_or_annotating_it_revokes_its_certificates(
-    kube_api: KubeApi, world: World, revocations: Revocations
-) -> None:
-    async def revoked(count: int) -> None:
-        async with asyncio.timeout(5):
-            while len(revocations.nodes) < count:
-                revocations.changed.clear()
-                await revocations.changed.wait()
+async def _revoked_before(db: Database, node: str) -> dt.datetime | None:
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT revoked_before FROM node_certificate_revocations WHERE node_id = %s",
+                (node,),
+            )
+        ).fetchone()
+    return None if row is None else row["revoked_before"]
 
+
+async def _revoked_after(
+    db: Database, node: str, after: dt.datetime | None, within_s: float = 5.0
+) -> dt.datetime:
+    """The node's revocation cut-off once it is later than ``after`` (the store's row)."""
+    async with asyncio.timeout(within_s):
+        while True:
+            cut = await _revoked_before(db, node)
+            if cut is not None and (after is None or cut > after):
+                return cut
+            await asyncio.sleep(0.02)
+
+
+async def test_deleting_a_gpunode_or_annotating_it_revokes_its_certificates(
+    kube_api: KubeApi, world: World, db: Database
+) -> None:
     annotate = {"metadata": {"annotations": {"bcd.dev/revoke-certificates": "2026-12-04"}}}
     await kube_api.patch(GPUNODES, None, NODE, annotate)
-    await revoked(1)
+    first = await _revoked_after(db, NODE, None)
     marked = await kube_api.wait_for(
         GPUNODES,
         None,
@@ -339,16 +338,17 @@ async def test_deleting_a_gpunode_or_annotating_it_revokes_its_certificates(
         ),
     )
     assert marked is not None
-    # The same value again (any other write to the GPUNode) revokes nothing more.
+    # Any other write to the GPUNode (the same value still there) revokes nothing more.
     await kube_api.patch(GPUNODES, None, NODE, {"metadata": {"labels": {"touched": "yes"}}})
+    await asyncio.sleep(0.3)
+    assert await _revoked_before(db, NODE) == first
     annotate["metadata"]["annotations"]["bcd.dev/revoke-certificates"] = "again"
     await kube_api.patch(GPUNODES, None, NODE, annotate)
-    await revoked(2)
-    assert revocations.nodes == [NODE, NODE]
+    await _revoked_after(db, NODE, first)
 
+    assert await _revoked_before(db, OTHER) is None
     await kube_api.delete(GPUNODES, None, OTHER)
-    await revoked(3)
-    assert revocations.nodes[-1] == OTHER
+    await _revoked_after(db, OTHER, None)
 
 
 # --- the real agent and the real operator ----------------------------------------------------

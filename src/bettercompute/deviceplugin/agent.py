@@ -129,10 +129,16 @@ class Agent:
     certificate_pem: bytes | None = None
 
     def use_certificate(self, pem: bytes) -> None:
-        """Hand a new node certificate to the parts that send it with reports."""
-        # TODO(i12-attest): call the converger's certificate hook here once it lands, so every
-        # signed report carries the certificate.
+        """A new node certificate: every report signed from now on carries it, and the ones
+        already sent go again with it."""
+        changed = pem != self.certificate_pem
         self.certificate_pem = pem
+        if changed:
+            self.plugin.converger.report_again()
+
+    def certificate(self) -> str | None:
+        """The certificate the converger sends with each signature (None until enrolled)."""
+        return self.certificate_pem.decode("ascii") if self.certificate_pem else None
 
     def not_ready(self) -> str | None:
         """Why ``/readyz`` fails, or None when ready."""
@@ -194,6 +200,10 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             raise AgentError(f"{where}: {e}") from e
         stack.push_async_callback(client.close)
         registry = CollectorRegistry()
+
+        def current_certificate() -> str | None:
+            return agent.certificate()  # called by the converger once the agent exists
+
         objects = AllocationObjects(
             client=client, namespace=config.namespace, node_name=config.node_name
         )
@@ -211,6 +221,7 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             inventory_interval_s=config.inventory_interval_s,
             register_poll_seconds=config.register_poll_seconds,
             retry_on=(OSError, KubeError),
+            certificate=current_certificate,
         )
         plugin.allocations.set_inventory(inventory)
         publisher = NodePublisher(

@@ -166,6 +166,12 @@ class Converger:
         """Run a pass now: the adapter calls this whenever a DeviceAllocation changes."""
         self._wake.set()
 
+    def report_again(self) -> None:
+        """Sign and send every allocation's report again at the next pass (now): the node has
+        a new certificate, and reports sent without it, or with an older one, may not count."""
+        self._reported.clear()
+        self._wake.set()
+
     async def run(self) -> None:
         """Pass after pass until cancelled: at once when woken, else every ``pass_seconds``."""
         while True:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -55,6 +55,7 @@ class NodePlugin:
         inventory_interval_s: float = 5.0,
         register_poll_seconds: float = 0.1,
         retry_on: tuple[type[Exception], ...] = (OSError,),
+        certificate: Callable[[], str | None] | None = None,
     ) -> None:
         self.allocations = Allocations()
         self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
@@ -79,6 +80,7 @@ class NodePlugin:
             desired=desired,
             reporter=reporter,
             key=key,
+            certificate=certificate,
             pass_seconds=pass_seconds,
             retry_on=retry_on,
         )

@@ -173,15 +173,13 @@ async def started(
     db: Database | None = None,
     policy: PolicyEngine | None = None,
     signals: supervising.Signals | None = None,
-    revocation: nodecerts.Revocation | None = None,
 ) -> AsyncIterator[Operator]:
     """The operator, running while the block runs; every part stops when it ends.
 
     ``db`` and ``policy`` replace the ones ``config`` names (tests share their database and
     count decisions); kopf's shutdown cancels every task started after it, so kopf is started
     last and stopped first. ``signals``, when given, keeps SIGINT and SIGTERM from kopf, which
-    takes them for itself when it starts and would swallow the second one. ``revocation``
-    revokes node certificates (until the service's own is wired in).
+    takes them for itself when it starts and would swallow the second one.
     """
     engine = policy or policy_engine(config)
     connection = connection_info(config)
@@ -233,8 +231,7 @@ async def started(
                     nodeca.load_or_create_ca, kube, config.namespace, config.node_ca_secret
                 ),
                 lifetime=config.node_certificate_lifetime,
-                # TODO(i12-attest): the service's revoke_node_certificates, once it lands.
-                revocation=revocation,
+                revocation=nodes,
             ),
         )
 
