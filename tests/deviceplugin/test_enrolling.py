@@ -29,8 +29,9 @@ from bettercompute.deviceplugin.agent import started
 from bettercompute.deviceplugin.signing import NodeKey
 from bettercompute.kube.client import KubeClient, kube_config
 from tests.deviceplugin import agents
-from tests.deviceplugin.conftest import Node
+from tests.deviceplugin.conftest import Node, allocation_spec
 from tests.support.csrs import CSRS
+from tests.support.kubeobjects import DEVICEALLOCATIONS
 from tests.support.kubeserver import KubeApi
 
 NODE = "gpu-node-1"
@@ -388,3 +389,35 @@ async def test_the_agent_asks_nothing_when_enrolment_is_off(
         await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
         assert agent.enroller is None
     assert kube_api.emulator._snapshot(CSRS.resource, None, lambda _: True) == []
+
+
+async def test_reports_carry_the_certificate_and_go_again_once_it_arrives(
+    kube_api: KubeApi, kubelet_node: Node, authority: attestation.CertificateAuthority
+) -> None:
+    config = agents.agent_config(kube=kube_api, node=kubelet_node)
+    async with started(config) as agent:
+        obj = await pending(kube_api)
+        await kube_api.create(agents.device_allocation(allocation_spec("alloc_c1", ["GPU-1"])))
+        bound = await kube_api.wait_for(
+            DEVICEALLOCATIONS, agents.OPERATOR_NAMESPACE, "alloc-c1", agents.phase_is("Bound")
+        )
+        assert bound is not None
+        assert "certificate" not in bound["status"]["signature"]  # not enrolled yet
+        await answer(kube_api, obj, authority=authority)
+        await until(lambda: agent.certificate_pem is not None)
+        assert agent.certificate_pem is not None
+        expected = agent.certificate_pem.decode("ascii")
+
+        def signed_with_it(o: dict[str, Any] | None) -> bool:
+            signature = ((o or {}).get("status") or {}).get("signature") or {}
+            return bool(signature.get("certificate") == expected)
+
+        again = await kube_api.wait_for(
+            DEVICEALLOCATIONS, agents.OPERATOR_NAMESPACE, "alloc-c1", signed_with_it
+        )
+        assert again is not None
+        signature = again["status"]["signature"]
+        report = attestation.verify_report(
+            signature=signature, public_key=agent.plugin.converger.key.public_key
+        )
+        assert (report["allocationId"], report["phase"]) == ("alloc_c1", "Bound")
