@@ -72,6 +72,7 @@ from tests.support.kubeobjects import (
     KOPF_PEERINGS,
     NAMESPACES,
     RESERVATIONS,
+    SECRETS,
     TOKEN_REVIEWS,
     Matcher,
     Ref,
@@ -86,6 +87,7 @@ __all__ = [
     "KOPF_PEERINGS",
     "NAMESPACES",
     "RESERVATIONS",
+    "SECRETS",
     "TOKEN_REVIEWS",
     "ApiServerStandIn",
     "Ref",
@@ -142,6 +144,7 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.declare(NAMESPACES, kind="Namespace", short_names=["ns"], status_subresource=True)
         self.declare(EVENTS, kind="Event", short_names=["ev"])
+        self.declare(SECRETS, kind="Secret")
         self.declare(CLUSTER_KOPF_PEERINGS, kind="ClusterKopfPeering")
         self.declare(KOPF_PEERINGS, kind="KopfPeering")
         self.declare(TOKEN_REVIEWS, kind="TokenReview", verbs=["create"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.authentication_v1 import TokenReview
-from lightkube.resources.core_v1 import Event, Namespace, Node
+from lightkube.resources.core_v1 import Event, Namespace, Node, Secret
 
 from bettercompute.kube.names import GROUP, VERSION
 
@@ -25,3 +25,4 @@ NAMESPACES = Namespace
 NODES = Node
 EVENTS = Event
 TOKEN_REVIEWS = TokenReview
+SECRETS = Secret

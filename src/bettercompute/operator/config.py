@@ -45,3 +45,11 @@ class OperatorConfig:
     tenant_group_prefix: str = "bcd.dev:tenant:"
     #: How often every node's DeviceAllocations are compared in full with the store.
     allocation_resync_s: float = 60.0
+    #: The Secret (``tls.crt``/``tls.key``, in ``namespace``) holding the node-report authority
+    #: that node certificates chain to (attested bindings).
+    node_ca_secret: str = "better-compute-node-ca"
+    #: Create the authority's Secret when it is missing; off when the platform provides it
+    #: (for example issued by cert-manager): then a missing Secret stops the start.
+    node_ca_create: bool = True
+    #: How long after its expiry a node certificate still counts (a node offline for a while).
+    node_certificate_grace_s: float = 3600.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import functools
 import logging
 import os
@@ -33,6 +34,7 @@ from aiohttp import web
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
+from bettercompute.core.attestation import Attestation
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
@@ -41,10 +43,11 @@ from bettercompute.kube.client import (
     SERVICE_ACCOUNT_DIR,
     CredentialsError,
     KubeClient,
+    KubeError,
     from_kopf,
     in_cluster_server,
 )
-from bettercompute.operator import certificates, handlers
+from bettercompute.operator import certificates, handlers, nodeca
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -199,7 +202,10 @@ async def started(
         clusters = ClusterService(db)
         await clusters.ensure_root_tenant(config.root_tenant)
         service = await ReservationService.start(
-            db=db, policy=engine, budget=backing.budget_check(db)
+            db=db,
+            policy=engine,
+            budget=backing.budget_check(db),
+            attestation=await node_attestation(kube, config),
         )
         stack.push_async_callback(service.close)
         nodes = NodeService(db)
@@ -305,6 +311,21 @@ class _EveryTask(Collection["asyncio.Task[Any]"]):
 
     def __len__(self) -> int:
         return 0
+
+
+async def node_attestation(kube: KubeClient, config: OperatorConfig) -> Attestation:
+    """The trust bound reports are checked against: the node-report authority in its Secret
+    (created on first start), and the grace after a node certificate's expiry."""
+    try:
+        authority = await nodeca.load_or_create_ca(
+            kube, config.namespace, config.node_ca_secret, create=config.node_ca_create
+        )
+    except (KubeError, nodeca.NodeAuthorityError) as e:
+        raise OperatorError(f"node-report authority: {e}") from e
+    return Attestation(
+        authorities=(authority.certificate,),
+        grace=dt.timedelta(seconds=config.node_certificate_grace_s),
+    )
 
 
 async def _run_kopf(
@@ -413,6 +434,22 @@ def run(
     api_token: Annotated[
         str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
     ] = None,
+    node_ca_secret: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_NODE_CA_SECRET",
+            help="Secret (tls.crt, tls.key) in --namespace holding the node-report CA that "
+            "node certificates chain to.",
+        ),
+    ] = "better-compute-node-ca",
+    node_ca_create: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_NODE_CA_CREATE",
+            help="Create the node-report CA's Secret if missing (--no-node-ca-create: it "
+            "must exist, e.g. issued by cert-manager).",
+        ),
+    ] = True,
 ) -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     config = OperatorConfig(
@@ -429,6 +466,8 @@ def run(
         standalone=standalone,
         api_server=api_server,
         api_token=api_token,
+        node_ca_secret=node_ca_secret,
+        node_ca_create=node_ca_create,
     )
     try:
         asyncio.run(_serve(config))
