@@ -27,6 +27,7 @@ def test_the_defaults_enrol_every_node_and_name_the_agent(defaults: rendering.Re
     assert operator["BCD_NODE_CERTIFICATE_LIFETIME_HOURS"] == "168"
     assert operator["BCD_NODE_CERTIFICATE_GRACE_MINUTES"] == "60"
     assert operator["BCD_NODE_CA_SECRET"] == "bc-better-compute-node-ca"
+    assert operator["BCD_NODE_CA_CREATE"] == "true"
     plugin = _env(defaults, "DaemonSet")
     assert plugin["BCD_ENROL"] == "true"
     assert plugin["BCD_CERTIFICATE_LIFETIME_HOURS"] == "168"
@@ -55,6 +56,7 @@ def test_values_change_the_lifetime_grace_and_secret(render):
 def test_cert_manager_makes_an_ed25519_ca_that_keeps_its_key(render):
     issuer = {"kind": "ClusterIssuer", "name": "corp-root"}
     rendered = render({"nodeCertificates": {"certManager": {"enabled": True, "issuerRef": issuer}}})
+    assert _env(rendered, "StatefulSet")["BCD_NODE_CA_CREATE"] == "false"
     certificate = rendered.one("Certificate", "bc-better-compute-node-ca")
     spec = certificate["spec"]
     assert spec["isCA"] is True

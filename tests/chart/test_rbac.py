@@ -208,9 +208,8 @@ def test_node_certificates_off_grants_nothing_for_them(render):
         if h.selector.group == "certificates.k8s.io"
     }
     assert watched == set()
-    for _, _, group, resource, _, _ in _granted(off):
+    for _, _, group, _, _, _ in _granted(off):
         assert group != "certificates.k8s.io"
-        assert resource != "secrets"
     plugin = rendering.env_of(next(rendering.containers(off.one("DaemonSet"))))
     assert plugin["BCD_ENROL"] == "false"
 

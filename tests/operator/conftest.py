@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
+from bettercompute.operator import nodeca
 from bettercompute.operator.config import OperatorConfig
 from bettercompute.operator.running import Operator, started
 from bettercompute.store.database import Database
-from tests.support import kubeworld
-from tests.support.kubeobjects import GPUNODES, GPUPOOLS
+from tests.support import kubeworld, nodecerts
+from tests.support.kubeobjects import GPUNODES, GPUPOOLS, SECRETS
 from tests.support.kubeserver import TOKEN, KubeApi
 from tests.support.policies import CountingPolicy
 
@@ -48,6 +49,16 @@ def operator_config(kube: KubeApi, db: Database, **overrides: Any) -> OperatorCo
     return OperatorConfig(**settings)
 
 
+async def trust_test_authority(kube: KubeApi, config: OperatorConfig) -> None:
+    """The node-report authority's Secret holds the test authority, so nodes certified by
+    ``tests.support.nodecerts`` are trusted, as a platform would provide its own CA."""
+    manifest = nodeca.secret_manifest(
+        nodecerts.AUTHORITY, name=config.node_ca_secret, namespace=config.namespace
+    )
+    if kube.stored(SECRETS, config.namespace, config.node_ca_secret) is None:
+        await kube.create(manifest)
+
+
 @pytest.fixture
 def policy() -> CountingPolicy:
     return CountingPolicy()
@@ -60,6 +71,7 @@ def start_operator(
     @contextlib.asynccontextmanager
     async def start(**overrides: Any) -> AsyncIterator[Operator]:
         config = operator_config(kube_api, db, **overrides)
+        await trust_test_authority(kube_api, config)
         async with started(config, db=db, policy=policy) as op:
             await op.ready.wait()
             yield op

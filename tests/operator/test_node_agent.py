@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bettercompute.deviceplugin.agent import Agent, started
+from bettercompute.deviceplugin.signing import NodeKey
 from bettercompute.operator.running import Operator
 from bettercompute.store.database import Database
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, MIG, NODE, SLOT, Node
-from tests.support import kubeworld
+from tests.support import kubeworld, nodecerts
 from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
 from tests.support.kubeserver import KubeApi
 
@@ -40,7 +41,11 @@ async def agent(
     await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
     await kube_api.create(kubeworld.namespace(NS, tenant=None))
     await kube_api.create(kubeworld.gpupool("h100"))
-    async with started(agents.agent_config(kube=kube_api, node=node)) as running:
+    config = agents.agent_config(kube=kube_api, node=node)
+    async with started(config) as running:
+        # Enrolled: the node's own key, certified by the authority the operator trusts.
+        certificate = nodecerts.certify(NODE, NodeKey.load(config.node_key))
+        running.plugin.converger.certificate = lambda: certificate
         await node.kubelet.wait_registered([GPU, MIG, SLOT])
         # Not GPUPool status.nodes: the operator counts a pool's nodes only when the pool is
         # applied, and here the GPUNode may appear after that.

@@ -90,6 +90,7 @@ __all__ = [
     "KOPF_PEERINGS",
     "NAMESPACES",
     "RESERVATIONS",
+    "SECRETS",
     "TOKEN_REVIEWS",
     "ApiServerStandIn",
     "Ref",

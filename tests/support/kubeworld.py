@@ -11,7 +11,9 @@ import copy
 import json
 from typing import Any
 
+from bettercompute.deviceplugin import signing
 from bettercompute.kube import names
+from tests.support import nodecerts
 
 OPERATOR_NAMESPACE = "better-compute"
 
@@ -158,14 +160,27 @@ def reservation(name: str, namespace: str = "ml") -> ReservationBuilder:
 
 
 def bound(node: str, spec: dict[str, Any], *, at: str = "2026-12-02T00:00:01Z") -> dict:
-    """A node's Bound report on a DeviceAllocation, as the device plugin writes it."""
+    """A node's Bound report on a DeviceAllocation, as the device plugin writes it: signed with
+    the node's key and carrying its certificate from the test authority."""
     allocation = spec["allocationId"]
+    cdi_devices = [f"bcd.dev/gpu={d}" for d in spec["deviceIds"]]
+    env_file = f"/run/bcd/allocations/{allocation}.env"
+    report = signing.Report(
+        node_name=node,
+        allocation_id=allocation,
+        reservation_id=spec["reservationId"],
+        phase="Bound",
+        cdi_devices=tuple(cdi_devices),
+        env_file=env_file,
+        reported_at=at,
+    )
     return {
         "nodeName": node,
         "phase": "Bound",
-        "cdiDevices": [f"bcd.dev/gpu={d}" for d in spec["deviceIds"]],
-        "envFile": f"/run/bcd/allocations/{allocation}.env",
+        "cdiDevices": cdi_devices,
+        "envFile": env_file,
         "reportedAt": at,
+        "signature": nodecerts.sign(node, report),
     }
 
 

@@ -16,7 +16,7 @@ from bettercompute.core.attestation import (
     CertificateAuthority,
     certificate_pem,
 )
-from bettercompute.deviceplugin.signing import NodeKey
+from bettercompute.deviceplugin.signing import NodeKey, Report
 
 LONG = dt.timedelta(days=365 * 20)
 
@@ -24,6 +24,24 @@ AUTHORITY = CertificateAuthority.generate(
     now=dt.datetime.now(dt.UTC) - dt.timedelta(days=1), name="bcd test node-report CA"
 )
 TRUST = Attestation(authorities=(AUTHORITY.certificate,))
+
+
+_KEYS: dict[str, tuple[NodeKey, str]] = {}
+
+
+def node_identity(node_name: str) -> tuple[NodeKey, str]:
+    """One key and certificate per node name for the whole test session (like a real node's,
+    which outlive a test)."""
+    if node_name not in _KEYS:
+        key = NodeKey.generate()
+        _KEYS[node_name] = (key, certify(node_name, key))
+    return _KEYS[node_name]
+
+
+def sign(node_name: str, report: Report) -> dict[str, str]:
+    """The signature block ``node_name``'s agent would write for ``report``."""
+    key, certificate = node_identity(node_name)
+    return {**key.sign(report), "certificate": certificate}
 
 
 def certify(

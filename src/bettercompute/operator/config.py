@@ -55,8 +55,11 @@ class OperatorConfig:
     node_agent_service_account: str = "better-compute-device-plugin"
     #: The longest node certificate the operator signs (a node may ask for less).
     node_certificate_lifetime: dt.timedelta = attestation.NODE_CERTIFICATE_LIFETIME
-    #: How long after expiry a node certificate's reports are still accepted (a node that was
-    #: offline when it should have renewed); read by the report verifier.
-    node_certificate_grace: dt.timedelta = attestation.OFFLINE_GRACE
-    #: The Secret (in ``namespace``) holding the node CA's certificate and key.
+    #: The Secret (``tls.crt``/``tls.key``, in ``namespace``) holding the node-report authority
+    #: that node certificates chain to (attested bindings).
     node_ca_secret: str = "better-compute-node-ca"
+    #: Create the authority's Secret when it is missing; off when the platform provides it
+    #: (for example issued by cert-manager): then a missing Secret stops the start.
+    node_ca_create: bool = True
+    #: How long after its expiry a node certificate still counts (a node offline for a while).
+    node_certificate_grace_s: float = 3600.0

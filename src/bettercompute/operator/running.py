@@ -34,6 +34,7 @@ from aiohttp import web
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
+from bettercompute.core.attestation import Attestation
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
@@ -42,6 +43,7 @@ from bettercompute.kube.client import (
     SERVICE_ACCOUNT_DIR,
     CredentialsError,
     KubeClient,
+    KubeError,
     from_kopf,
     in_cluster_server,
 )
@@ -200,7 +202,10 @@ async def started(
         clusters = ClusterService(db)
         await clusters.ensure_root_tenant(config.root_tenant)
         service = await ReservationService.start(
-            db=db, policy=engine, budget=backing.budget_check(db)
+            db=db,
+            policy=engine,
+            budget=backing.budget_check(db),
+            attestation=await node_attestation(kube, config),
         )
         stack.push_async_callback(service.close)
         nodes = NodeService(db)
@@ -227,8 +232,13 @@ async def started(
             signer=nodecerts.NodeSigner(
                 kube=kube,
                 agent=nodecerts.agent_username(config.namespace, config.node_agent_service_account),
+                # Read for each signature: the same Secret the verifier trusts (node_attestation).
                 authority=functools.partial(
-                    nodeca.load_or_create_ca, kube, config.namespace, config.node_ca_secret
+                    nodeca.load_or_create_ca,
+                    kube,
+                    config.namespace,
+                    config.node_ca_secret,
+                    create=config.node_ca_create,
                 ),
                 lifetime=config.node_certificate_lifetime,
                 revocation=nodes,
@@ -315,6 +325,21 @@ class _EveryTask(Collection["asyncio.Task[Any]"]):
 
     def __len__(self) -> int:
         return 0
+
+
+async def node_attestation(kube: KubeClient, config: OperatorConfig) -> Attestation:
+    """The trust bound reports are checked against: the node-report authority in its Secret
+    (created on first start), and the grace after a node certificate's expiry."""
+    try:
+        authority = await nodeca.load_or_create_ca(
+            kube, config.namespace, config.node_ca_secret, create=config.node_ca_create
+        )
+    except (KubeError, nodeca.NodeAuthorityError) as e:
+        raise OperatorError(f"node-report authority: {e}") from e
+    return Attestation(
+        authorities=(authority.certificate,),
+        grace=dt.timedelta(seconds=config.node_certificate_grace_s),
+    )
 
 
 async def _run_kopf(
@@ -461,9 +486,18 @@ def run(
         str,
         typer.Option(
             envvar="BCD_NODE_CA_SECRET",
-            help="The Secret holding the node CA (tls.crt, tls.key); created when missing.",
+            help="Secret (tls.crt, tls.key) in --namespace holding the node-report CA that "
+            "node certificates chain to.",
         ),
     ] = "better-compute-node-ca",
+    node_ca_create: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_NODE_CA_CREATE",
+            help="Create the node-report CA's Secret if missing (--no-node-ca-create: it "
+            "must exist, e.g. issued by cert-manager).",
+        ),
+    ] = True,
 ) -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     config = OperatorConfig(
@@ -482,8 +516,9 @@ def run(
         api_token=api_token,
         node_agent_service_account=node_agent_service_account,
         node_certificate_lifetime=dt.timedelta(hours=node_certificate_lifetime_hours),
-        node_certificate_grace=dt.timedelta(minutes=node_certificate_grace_minutes),
+        node_certificate_grace_s=node_certificate_grace_minutes * 60,
         node_ca_secret=node_ca_secret,
+        node_ca_create=node_ca_create,
         node_certificates=node_certificates,
     )
     try:

@@ -138,11 +138,20 @@ class ReservationService:
 
     @classmethod
     async def start(
-        cls, *, db: Database, policy: ports.PolicyEngine, budget: ports.BudgetCheck
+        cls,
+        *,
+        db: Database,
+        policy: ports.PolicyEngine,
+        budget: ports.BudgetCheck,
+        attestation: attestation_.Attestation | None = None,
     ) -> ReservationService:
         """A service for ``db``, with the root tenant as the database names it."""
         return cls(
-            db=db, policy=policy, budget=budget, root_tenant_id=await queries.root_tenant(db)
+            db=db,
+            policy=policy,
+            budget=budget,
+            root_tenant_id=await queries.root_tenant(db),
+            attestation=attestation,
         )
 
     # --- pre-check -------------------------------------------------------------------------
