@@ -34,7 +34,7 @@ from tests.deviceplugin.conftest import Node
 from tests.operator.conftest import World, apply_world, operator_config
 from tests.support import kubeworld
 from tests.support.csrs import CSRS
-from tests.support.kubeobjects import GPUNODES, SECRETS
+from tests.support.kubeobjects import GPUNODES, RESERVATIONS, SECRETS
 from tests.support.kubeserver import KubeApi
 from tests.support.policies import CountingPolicy
 
@@ -417,3 +417,36 @@ async def test_a_failed_write_is_tried_again_not_left_pending(
     obj = await outcome(kube_api, "flaky")
     assert obj["status"]["certificate"]
     assert len(failing) == 1
+
+
+async def test_the_enrolled_agents_own_certificate_makes_its_binding_count(
+    kube_api: KubeApi, db: Database, operator: Operator, node: Node
+) -> None:
+    """The whole chain, nothing certified by the test: the agent asks, the operator signs with
+    the CA its verifier trusts, the agent's signed report carries the certificate, and the
+    reservation becomes active on that report alone."""
+    kube_api.tokens["node-token"] = _user(AGENT, node=agents.NODE)
+    await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
+    await kube_api.create(kubeworld.namespace(NS, tenant=None))
+    await kube_api.create(kubeworld.gpupool("h100"))
+    async with agent_running(kube_api, node, "node-token") as agent:
+        await _until(lambda: agent.certificate_pem is not None)
+        await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
+        active = await kube_api.wait_for(
+            RESERVATIONS,
+            "ml",
+            "train",
+            lambda o: (o or {}).get("status", {}).get("state") == "active",
+            timeout=10.0,
+        )
+    assert active is not None
+    assert active["status"]["binding"]["nodeId"] == agents.NODE
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT bound_certificate FROM allocations WHERE reservation_id = %s",
+                (active["status"]["id"],),
+            )
+        ).fetchone()
+    assert row is not None
+    assert row["bound_certificate"] == agent.certificate_pem.decode("ascii")  # type: ignore[union-attr]
