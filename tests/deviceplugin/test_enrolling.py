@@ -30,8 +30,9 @@ from bettercompute.deviceplugin.signing import NodeKey
 from bettercompute.kube.client import KubeClient, kube_config
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import Node, allocation_spec
+from tests.support import kubeworld
 from tests.support.csrs import CSRS
-from tests.support.kubeobjects import DEVICEALLOCATIONS
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUNODES
 from tests.support.kubeserver import KubeApi
 
 NODE = "gpu-node-1"
@@ -421,3 +422,45 @@ async def test_reports_carry_the_certificate_and_go_again_once_it_arrives(
             signature=signature, public_key=agent.plugin.converger.key.public_key
         )
         assert (report["allocationId"], report["phase"]) == ("alloc_c1", "Bound")
+
+
+async def test_a_revocation_replaces_the_key_and_enrols_again(
+    kube_api: KubeApi,
+    client: KubeClient,
+    key: NodeKey,
+    authority: attestation.CertificateAuthority,
+    tmp_path: Path,
+) -> None:
+    await kube_api.create(kubeworld.gpunode(NODE, pool="h100"))
+    key_file = tmp_path / "node" / "node-key.pem"
+    handed: list[bytes] = []
+    keys: list[NodeKey] = []
+    e = enroller(
+        client, key, tmp_path, handed=handed, key_file=key_file, on_key=keys.append, check_s=0.05
+    )
+    async with running(e):
+        await answer(kube_api, await pending(kube_api), authority=authority)
+        await until(lambda: bool(handed))
+        # A revocation from before this certificate was issued is not about it.
+        before = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+        await _revoke_at(kube_api, before)
+        await asyncio.sleep(0.2)
+        assert keys == []
+        await _revoke_at(kube_api, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
+        second = await pending(kube_api)
+        await until(lambda: bool(keys))
+        (new_key,) = keys
+        assert new_key.key_id != key.key_id
+        assert NodeKey.load(key_file).key_id == new_key.key_id  # stored in place, mode 0600
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        request = attestation.read_request(base64.b64decode(second["spec"]["request"]))
+        assert request.public_key == new_key.public_key
+        await answer(kube_api, second, authority=authority)
+        await until(lambda: len(handed) == 2)
+    assert x509.load_pem_x509_certificate(handed[1]).public_key() == new_key.public_key
+
+
+async def _revoke_at(kube_api: KubeApi, when: dt.datetime) -> None:
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    annotations = {"bcd.dev/revoked-certificates": stamp, "bcd.dev/revoked-certificates-at": stamp}
+    await kube_api.patch(GPUNODES, None, NODE, {"metadata": {"annotations": annotations}})

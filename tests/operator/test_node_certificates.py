@@ -338,6 +338,9 @@ async def test_deleting_a_gpunode_or_annotating_it_revokes_its_certificates(
         ),
     )
     assert marked is not None
+    # ... and when, for the node's agent to know its certificate is older (it enrols again).
+    at = marked["metadata"]["annotations"]["bcd.dev/revoked-certificates-at"]
+    assert dt.datetime.fromisoformat(at.replace("Z", "+00:00")) >= first.replace(microsecond=0)
     # Any other write to the GPUNode (the same value still there) revokes nothing more.
     await kube_api.patch(GPUNODES, None, NODE, {"metadata": {"labels": {"touched": "yes"}}})
     await asyncio.sleep(0.3)

@@ -136,6 +136,12 @@ class Agent:
         if changed:
             self.plugin.converger.report_again()
 
+    def use_key(self, key: NodeKey) -> None:
+        """A new node key (its certificates were revoked): reports are signed with it, and
+        carry no certificate until the new one arrives."""
+        self.plugin.converger.key = key
+        self.certificate_pem = None
+
     def certificate(self) -> str | None:
         """The certificate the converger sends with each signature (None until enrolled)."""
         return self.certificate_pem.decode("ascii") if self.certificate_pem else None
@@ -264,6 +270,8 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
                 certificate_file=config.node_certificate
                 or enrolling.certificate_path(config.node_key),
                 on_certificate=agent.use_certificate,
+                key_file=config.node_key,
+                on_key=agent.use_key,
                 lifetime=config.certificate_lifetime,
             )
             # Restarted if anything unforeseen ends it: a node without a certificate is one

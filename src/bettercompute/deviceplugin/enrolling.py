@@ -17,7 +17,11 @@ The cycle (``Enroller.run``):
 3. it waits (watching that one object) for ``status.certificate``; checks that it is for this
    key, this node and the role ``node``; saves it (mode 0644, the key stays 0600) and hands it
    to the converger, which sends it with each report;
-4. it sleeps until 2/3 of the certificate's lifetime and starts again at 2.
+4. it sleeps until 2/3 of the certificate's lifetime and starts again at 2;
+5. meanwhile it reads its GPUNode every ``check_s``: when the operator revoked the node's
+   certificates (``bcd.dev/revoked-certificates-at``) after the one in use was issued, it
+   replaces its key with a new one (``key_file``; a revoked key may have leaked, so it is never
+   enrolled again) and enrols at once.
 
 A ``Denied`` or ``Failed`` request, or a certificate that does not match, is logged and tried
 again under the next attempt's name after a growing wait; an API error is retried the same
@@ -50,7 +54,7 @@ from cryptography.x509.oid import NameOID
 
 from bettercompute import supervising
 from bettercompute.core import attestation
-from bettercompute.deviceplugin.signing import NodeKey
+from bettercompute.deviceplugin.signing import NodeKey, SigningError
 from bettercompute.kube import names, resources
 from bettercompute.kube.client import KubeClient, KubeError
 
@@ -64,6 +68,8 @@ RENEW_AT = 2 / 3
 USAGES = ("digital signature",)
 #: The longest a wait for the operator lasts before the request is read again.
 WAIT_SECONDS = 30.0
+#: How often the node's GPUNode is read for a revocation.
+CHECK_SECONDS = 60.0
 
 
 class Refused(Exception):
@@ -189,8 +195,11 @@ class Enroller:
         key: NodeKey,
         certificate_file: Path,
         on_certificate: Callable[[bytes], None] = lambda _: None,
+        key_file: Path | None = None,
+        on_key: Callable[[NodeKey], None] = lambda _: None,
         lifetime: dt.timedelta = LIFETIME,
         wait_s: float = WAIT_SECONDS,
+        check_s: float = CHECK_SECONDS,
         backoff: supervising.Backoff | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -199,8 +208,12 @@ class Enroller:
         self.key = key
         self.certificate_file = certificate_file
         self.on_certificate = on_certificate
+        #: Where the key lives, to replace it after a revocation (None: never replaced).
+        self.key_file = key_file
+        self.on_key = on_key
         self.lifetime = lifetime
         self.wait_s = wait_s
+        self.check_s = check_s
         self.backoff = backoff or supervising.Backoff(first_s=5.0, max_s=300.0)
         self.clock = clock
         #: The certificate in use, once there is one.
@@ -217,9 +230,56 @@ class Enroller:
         if self.current is not None:
             self._use(self.current, from_disk=True)
         while True:
-            if self.current is not None:
-                await asyncio.sleep(max(0.0, (self.current.renew_at - self.now()).total_seconds()))
+            if self.current is not None and await self._until_renewal_or_revocation():
+                await self._replace_key()
             self._use(await self.obtain(), from_disk=False)
+
+    async def _until_renewal_or_revocation(self) -> bool:
+        """Wait until the certificate is due for renewal (False) or revoked (True)."""
+        assert self.current is not None
+        while True:
+            if await self._revoked(self.current):
+                return True
+            left = (self.current.renew_at - self.now()).total_seconds()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(left, self.check_s))
+
+    async def _revoked(self, issued: Issued) -> bool:
+        """Whether the operator revoked the node's certificates after ``issued`` was issued."""
+        try:
+            node = await self.client.get(resources.GPUNODES, self.node_name)
+        except KubeError as e:
+            log.warning("cannot read GPUNode %s for revocations: %s", self.node_name, e)
+            return False
+        annotations = ((node or {}).get("metadata") or {}).get("annotations") or {}
+        stamp = annotations.get(names.REVOKED_CERTIFICATES_AT)
+        if not stamp:
+            return False
+        try:
+            revoked = dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+        except ValueError:
+            what = names.REVOKED_CERTIFICATES_AT
+            log.warning("GPUNode %s: %s=%r is not a time", self.node_name, what, stamp)
+            return False
+        if revoked.tzinfo is None:
+            revoked = revoked.replace(tzinfo=dt.UTC)
+        return attestation.issued_at(issued.certificate) <= revoked
+
+    async def _replace_key(self) -> None:
+        """A new key for the next certificate: the revoked one's may have leaked."""
+        if self.key_file is None:
+            log.warning("node certificates revoked; enrolling again with the same key")
+            return
+        while True:
+            try:
+                self.key = await asyncio.to_thread(NodeKey.replace, self.key_file)
+                break
+            except SigningError as e:
+                log.error("node certificates revoked, but %s; retrying", e)
+                await self.backoff.wait()
+        self.on_key(self.key)
+        log.warning("node certificates revoked: new node key %s, enrolling again", self.key.key_id)
 
     def _saved(self) -> Issued | None:
         """The certificate on disk, when it is still good to use."""

@@ -157,6 +157,26 @@ class NodeKey:
             raise SigningError(f"node key {path}: cannot store: {e.strerror or e}") from e
         return cls.load(path)
 
+    @classmethod
+    def replace(cls, path: Path) -> NodeKey:
+        """A new key in place of the one in ``path`` (mode 0600, atomically): the old one's
+        certificates were revoked, and a key that may have leaked is not enrolled again."""
+        key = cls.generate()
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600
+                    f.write(key.private_pem())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        except OSError as e:
+            raise SigningError(f"node key {path}: cannot store: {e.strerror or e}") from e
+        return cls.load(path)
+
     def private_pem(self) -> bytes:
         return self._private_key.private_bytes(
             encoding=serialization.Encoding.PEM,

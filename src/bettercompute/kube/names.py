@@ -52,5 +52,11 @@ reservation_resource_name = ids.reservation_resource_name
 
 #: The CertificateSigningRequest signer the operator answers for node certificates.
 NODE_REPORT_SIGNER = "bcd.dev/node-report"
+#: Annotate a GPUNode with a new value to revoke every certificate of the node.
+REVOKE_CERTIFICATES = "bcd.dev/revoke-certificates"
+#: The last value of ``REVOKE_CERTIFICATES`` the operator acted on, and when (RFC 3339): the
+#: node's agent replaces its key and enrols again when its certificate is older.
+REVOKED_CERTIFICATES = "bcd.dev/revoked-certificates"
+REVOKED_CERTIFICATES_AT = "bcd.dev/revoked-certificates-at"
 #: The GPUNode condition a node agent sets when something besides bcd can hand its GPUs out.
 FOREIGN_GPU_EXPOSURE = "ForeignGpuExposure"

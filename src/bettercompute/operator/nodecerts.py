@@ -26,7 +26,9 @@ someone else approved is signed only when it passes the same rule; otherwise it 
 Revocation (``revoke``): a GPUNode deleted, or annotated ``bcd.dev/revoke-certificates`` with
 a value not yet handled, revokes every certificate of the node (``Revocation`` port: the
 service keeps the certificates); the handled value is recorded in
-``bcd.dev/revoked-certificates`` so an operator restart does not revoke again.
+``bcd.dev/revoked-certificates`` so an operator restart does not revoke again, and the time in
+``bcd.dev/revoked-certificates-at``, from which the node's agent learns to enrol again with a
+new key.
 
 What it must never do: sign a request that did not pass ``judge``, or sign twice.
 """
@@ -57,10 +59,8 @@ LIFETIME = attestation.NODE_CERTIFICATE_LIFETIME
 ATTEMPTS = 8
 #: Statuses worth trying again (besides 5xx): no answer, too many requests.
 TRANSIENT = frozenset({0, 429})
-#: Annotate a GPUNode with a new value to revoke every certificate of the node.
-REVOKE_ANNOTATION = "bcd.dev/revoke-certificates"
-#: The last value of ``REVOKE_ANNOTATION`` the operator acted on.
-REVOKED_ANNOTATION = "bcd.dev/revoked-certificates"
+REVOKE_ANNOTATION = names.REVOKE_CERTIFICATES
+REVOKED_ANNOTATION = names.REVOKED_CERTIFICATES
 
 
 def agent_username(namespace: str, service_account: str) -> str:
@@ -258,8 +258,10 @@ class NodeSigner:
         if not asked or asked == annotations.get(REVOKED_ANNOTATION):
             return
         if await self._revoke(node, why=f"{REVOKE_ANNOTATION}={asked}"):
-            patch = {"metadata": {"annotations": {REVOKED_ANNOTATION: asked}}}
-            await self.kube.patch(resources.GPUNODES, node, patch)
+            # When, too: the node's agent sees its certificate is older, and enrols again
+            # with a new key.
+            marks = {REVOKED_ANNOTATION: asked, names.REVOKED_CERTIFICATES_AT: _stamp(self.clock())}
+            await self.kube.patch(resources.GPUNODES, node, {"metadata": {"annotations": marks}})
 
     async def _revoke(self, node: str, *, why: str) -> bool:
         if self.revocation is None:
