@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -24,7 +25,9 @@ import celpy
 import pytest
 from celpy import adapter
 
+from bettercompute.core.attestation import CertificateAuthority
 from bettercompute.deviceplugin.agent import started as agent_started
+from bettercompute.deviceplugin.signing import NodeKey
 from bettercompute.operator import handlers
 from bettercompute.operator.config import OperatorConfig
 from bettercompute.operator.running import started as operator_started
@@ -32,8 +35,8 @@ from bettercompute.store.database import Database
 from tests.chart import authorizing, rendering
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, Node
-from tests.support import kubeworld
-from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS
+from tests.support import kubeworld, nodecerts
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS, SECRETS
 from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
@@ -72,6 +75,8 @@ EXPECTED = [
     ),
     # --- the operator, in its namespace
     ("Role", OPERATOR, "bcd.dev", "deviceallocations", None, "create patch delete", "allocating"),
+    ("Role", OPERATOR, "", "secrets", ("bc-node-ca",), "get", "nodeca: the node-report CA"),
+    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca: first start makes the CA"),
     # --- the device plugin, everywhere (one GPUNode and one Node: its own)
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
@@ -134,9 +139,30 @@ def test_the_defaults_grant_the_same(defaults: rendering.Rendered, everything):
 
 
 def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
-    for kind, _, group, resource, _, verb in _granted(everything):
+    for kind, name, group, resource, names, verb in _granted(everything):
         assert "*" not in (group, resource, verb), kind
-        assert resource not in ("secrets", "pods", "configmaps"), resource
+        assert resource not in ("pods", "configmaps"), resource
+        if resource == "secrets":
+            # Only the operator's node-report CA, in its own namespace: read that one Secret,
+            # create it (a create cannot name its object in RBAC).
+            assert (kind, name) == ("Role", OPERATOR)
+            assert (names, verb) in ((("bc-node-ca",), "get"), (None, "create"))
+
+
+def test_a_provided_node_ca_grants_only_reading_it(render: Any) -> None:
+    rendered = render({"operator": {"nodeCA": {"existingSecret": "platform-node-ca"}}})
+    secrets = {
+        (kind, name, names, verb)
+        for kind, name, _, resource, names, verb in _granted(rendered)
+        if resource == "secrets"
+    }
+    assert secrets == {("Role", OPERATOR, ("platform-node-ca",), "get")}
+    env = {
+        e["name"]: e.get("value")
+        for e in rendering.pod_spec(rendered.one("StatefulSet"))["containers"][0]["env"]
+    }
+    assert env["BCD_NODE_CA_SECRET"] == "platform-node-ca"
+    assert env["BCD_NODE_CA_CREATE"] == "false"
 
 
 def test_each_service_account_is_bound_to_its_own_roles_and_used(everything: rendering.Rendered):
@@ -249,11 +275,23 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         api_server=kube_api.url,
         api_token="operator-token",
         allocation_resync_s=3600.0,
+        node_ca_secret="bc-node-ca",
     )
     node_config = agents.agent_config(kube=kube_api, node=node, api_token="plugin-token")
     async with operator_started(config, db=db) as operator:
         await operator.ready.wait()
-        async with agent_started(node_config):
+        async with agent_started(node_config) as agent:
+            # Enrol the node from the CA the operator made (its Secret), as a CSR would.
+            secret = kube_api.stored(SECRETS, kubeworld.OPERATOR_NAMESPACE, "bc-node-ca")
+            assert secret is not None
+            authority = CertificateAuthority.from_pem(
+                base64.b64decode(secret["data"]["tls.crt"]),
+                base64.b64decode(secret["data"]["tls.key"]),
+            )
+            certificate = nodecerts.certify(
+                node_config.node_name, NodeKey.load(node_config.node_key), authority=authority
+            )
+            agent.plugin.converger.certificate = lambda: certificate
             await node.kubelet.wait_registered([GPU])
             # The pool handler and the GPUNode handler both wrote (they race the agent's start):
             # a reservation made before the pool is known is refused, pool not found.

@@ -55,6 +55,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-operator" (include "bcd.fullname" .) }}
 {{- end }}
 
+{{- /* The node-report CA's Secret: a provided one, else the named one, else <release>-node-ca. */ -}}
+{{- define "bcd.nodeCASecret" -}}
+{{- $ca := .Values.operator.nodeCA | default dict }}
+{{- $ca.existingSecret | default $ca.secretName | default (printf "%s-node-ca" .Release.Name) }}
+{{- end }}
+
 {{- define "bcd.devicePluginName" -}}
 {{- printf "%s-device-plugin" (include "bcd.fullname" .) }}
 {{- end }}
