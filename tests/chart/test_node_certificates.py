@@ -26,7 +26,7 @@ def test_the_defaults_enrol_every_node_and_name_the_agent(defaults: rendering.Re
     assert operator["BCD_NODE_AGENT_SERVICE_ACCOUNT"] == "bc-better-compute-device-plugin"
     assert operator["BCD_NODE_CERTIFICATE_LIFETIME_HOURS"] == "168"
     assert operator["BCD_NODE_CERTIFICATE_GRACE_MINUTES"] == "60"
-    assert operator["BCD_NODE_CA_SECRET"] == "bc-better-compute-node-ca"
+    assert operator["BCD_NODE_CA_SECRET"] == "bc-node-ca"
     assert operator["BCD_NODE_CA_CREATE"] == "true"
     plugin = _env(defaults, "DaemonSet")
     assert plugin["BCD_ENROL"] == "true"
@@ -44,7 +44,10 @@ def test_the_defaults_enrol_every_node_and_name_the_agent(defaults: rendering.Re
 
 def test_values_change_the_lifetime_grace_and_secret(render):
     rendered = render(
-        {"nodeCertificates": {"lifetimeHours": 24, "graceMinutes": 15, "caSecret": "corp-ca"}}
+        {
+            "nodeCertificates": {"lifetimeHours": 24, "graceMinutes": 15},
+            "operator": {"nodeCA": {"secretName": "corp-ca"}},
+        }
     )
     operator = _env(rendered, "StatefulSet")
     assert operator["BCD_NODE_CERTIFICATE_LIFETIME_HOURS"] == "24"
@@ -58,9 +61,10 @@ def test_cert_manager_makes_an_ed25519_ca_that_keeps_its_key(render):
     rendered = render({"nodeCertificates": {"certManager": {"enabled": True, "issuerRef": issuer}}})
     assert _env(rendered, "StatefulSet")["BCD_NODE_CA_CREATE"] == "false"
     certificate = rendered.one("Certificate", "bc-better-compute-node-ca")
+    # cert-manager writes the node CA's Secret, which the operator only reads.
     spec = certificate["spec"]
     assert spec["isCA"] is True
-    assert spec["secretName"] == "bc-better-compute-node-ca"
+    assert spec["secretName"] == "bc-node-ca"
     assert spec["privateKey"] == {"algorithm": "Ed25519", "rotationPolicy": "Never"}
     assert spec["issuerRef"] == issuer
     assert (spec["duration"], spec["renewBefore"]) == ("87600h", "720h")
@@ -71,7 +75,6 @@ def test_cert_manager_makes_an_ed25519_ca_that_keeps_its_key(render):
     [
         ({"nodeCertificates": {"certManager": {"enabled": True}}}, "issuerRef"),
         ({"nodeCertificates": {"lifetimeHours": 0}}, "lifetimeHours"),
-        ({"nodeCertificates": {"caSecret": "Not_A_Name"}}, "caSecret"),
         ({"nodeCertificates": {"renew": True}}, "'renew' not allowed"),
     ],
 )

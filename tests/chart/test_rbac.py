@@ -38,7 +38,7 @@ from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
-NODE_CA = "bc-better-compute-node-ca"
+NODE_CA = "bc-node-ca"
 
 # (kind, apiGroup, resource, resourceNames, verbs, who needs it)
 EXPECTED = [
@@ -110,8 +110,8 @@ EXPECTED = [
     ),
     # --- the operator, in its namespace
     ("Role", OPERATOR, "bcd.dev", "deviceallocations", None, "create patch delete", "allocating"),
-    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca: the CA on first start"),
-    ("Role", OPERATOR, "", "secrets", (NODE_CA,), "get", "nodeca: the CA"),
+    ("Role", OPERATOR, "", "secrets", (NODE_CA,), "get", "nodeca: the node-report CA"),
+    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca: first start makes the CA"),
     # --- the device plugin, everywhere (one GPUNode and one Node: its own)
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
@@ -188,12 +188,28 @@ def test_the_defaults_grant_the_same(defaults: rendering.Rendered, everything):
 def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
     for kind, name, group, resource, names, verb in _granted(everything):
         assert "*" not in (group, resource, verb), kind
-        if resource == "secrets":
-            # The one exception: the operator's node CA, created once and then read by name.
-            assert (kind, name) == ("Role", OPERATOR)
-            assert (verb, names) in (("create", None), ("get", (NODE_CA,)))
-            continue
         assert resource not in ("pods", "configmaps"), resource
+        if resource == "secrets":
+            # Only the operator's node-report CA, in its own namespace: read that one Secret,
+            # create it (a create cannot name its object in RBAC).
+            assert (kind, name) == ("Role", OPERATOR)
+            assert (names, verb) in (((NODE_CA,), "get"), (None, "create"))
+
+
+def test_a_provided_node_ca_grants_only_reading_it(render: Any) -> None:
+    rendered = render({"operator": {"nodeCA": {"existingSecret": "platform-node-ca"}}})
+    secrets = {
+        (kind, name, names, verb)
+        for kind, name, _, resource, names, verb in _granted(rendered)
+        if resource == "secrets"
+    }
+    assert secrets == {("Role", OPERATOR, ("platform-node-ca",), "get")}
+    env = {
+        e["name"]: e.get("value")
+        for e in rendering.pod_spec(rendered.one("StatefulSet"))["containers"][0]["env"]
+    }
+    assert env["BCD_NODE_CA_SECRET"] == "platform-node-ca"
+    assert env["BCD_NODE_CA_CREATE"] == "false"
 
 
 def test_node_certificates_off_grants_nothing_for_them(render):
@@ -346,6 +362,7 @@ async def test_every_call_of_a_reservations_life_is_allowed(
     async with operator_started(config, db=db) as operator:
         await operator.ready.wait()
         async with agent_started(node_config) as agent:
+            # The agent enrols itself: a CSR the operator signs from the CA it made.
             await node.kubelet.wait_registered([GPU])
             # The pool handler and the GPUNode handler both wrote (they race the agent's start):
             # a reservation made before the pool is known is refused, pool not found.

@@ -17,14 +17,17 @@ from bettercompute.deviceplugin import devicefiles, signing
 from bettercompute.deviceplugin.converging import Converger
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.deviceplugin.inventory import FileInventory
+from bettercompute.iam import policies
 from bettercompute.service import backing
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.sim import agents, inventories
 from bettercompute.store import inventory
+from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
-from tests.conftest import caller
+from tests.conftest import ROOT, caller
+from tests.support import nodecerts
 from tests.support.world import World
 
 # --- inventory --------------------------------------------------------------------------------
@@ -185,10 +188,25 @@ def files_under(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
+@pytest.fixture
+def service(db: Database) -> ReservationService:
+    """As ``dev`` runs it: bound reports count only when attested (here by the test authority
+    the simulated nodes are certified from)."""
+    return ReservationService(
+        db=db,
+        policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
+        budget=DatabaseBudget(db),
+        root_tenant_id=ROOT,
+        attestation=nodecerts.TRUST,
+    )
+
+
 def _agent(
     node: inventories.SimNode, root: Path, db: Database, service: ReservationService
 ) -> Converger:
-    return agents.node_agent(node, root=root, desired=NodeService(db), reports=service)
+    return agents.node_agent(
+        node, root=root, desired=NodeService(db), reports=service, authority=nodecerts.AUTHORITY
+    )
 
 
 async def test_the_agent_binds_a_reservation_then_releases_it(
@@ -214,6 +232,7 @@ async def test_the_agent_binds_a_reservation_then_releases_it(
     await Reconciler(db).run_once()
     got = await service.get(caller(), {"tenantId": "acme", "reservationId": created["id"]})
     assert got["state"] == "active"
+    assert got["binding"]["attested"] is True  # certified by the authority, and checked
     binding = got["binding"]
     assert binding["nodeId"] == node.id
     assert binding["cdiDevices"] == [f"bcd.dev/gpu={d}" for d in desired["deviceIds"]]
@@ -390,7 +409,12 @@ async def test_a_change_wakes_the_agent_of_its_node_without_waiting_for_a_pass(
     node = await _world(db)
     # No pass would come for ten minutes: only the wake-up can bind it in time.
     agent = agents.node_agent(
-        node, root=tmp_path, desired=NodeService(db), reports=service, pass_seconds=600
+        node,
+        root=tmp_path,
+        desired=NodeService(db),
+        reports=service,
+        pass_seconds=600,
+        authority=nodecerts.AUTHORITY,
     )
     wakeups = agents.Wakeups(nodes=NodeService(db), agents={node.id: agent})
     tasks = [

@@ -5,6 +5,7 @@ restarts with live allocations, refused specs, and signed reports."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import time
@@ -12,12 +13,13 @@ from typing import Any
 
 import pytest
 
+from bettercompute.core.attestation import Revocations
 from bettercompute.deviceplugin import devicefiles, signing
 from bettercompute.deviceplugin.devicefiles import Allocation
 from bettercompute.kube.allocations import parse_spec
 from bettercompute.kube.parsing import ShapeError
 from tests.deviceplugin.conftest import GPU, MIG, SLOT, Node, allocation_spec, inventory
-from tests.support import cdirules
+from tests.support import cdirules, nodecerts
 
 
 async def test_binding_writes_valid_files_and_reports_bound_signed(running_node: Node) -> None:
@@ -290,3 +292,30 @@ async def test_a_spec_of_another_shape_is_failed_once_in_the_contracts_words(
     assert len([w for w in warnings if "without allocationId" in w]) == 1
     assert not [r for r in caplog.records if r.exc_info]
     assert node.files_on_disk() == []
+
+
+async def test_reports_carry_the_certificate_the_enrolment_hands_the_agent(
+    running_node: Node,
+) -> None:
+    node = running_node
+    assert node.plugin is not None
+    node.put(allocation_spec("alloc_uncertified", ["GPU-0"]))
+    before = await node.reporter.wait_phase("alloc_uncertified", "Bound")
+    assert "certificate" not in {k for k, v in before["signature"].items() if v is not None}
+
+    # Enrolled: every report from now on carries the current certificate, and the control
+    # plane's verifier accepts the binding it signs.
+    certificate = nodecerts.certify("gpu-node-1", node.key)
+    node.plugin.converger.certificate = lambda: certificate
+    node.put(allocation_spec("alloc_certified", ["GPU-1"]))
+    status = await node.reporter.wait_phase("alloc_certified", "Bound")
+    assert status["signature"]["certificate"] == certificate
+    attested = nodecerts.TRUST.verify_binding(
+        status["signature"],
+        node_name="gpu-node-1",
+        allocation_id="alloc_certified",
+        reservation_id="rsv_alloc_certified",
+        now=datetime.datetime.now(datetime.UTC),
+        revoked=Revocations(),
+    )
+    assert attested.cdi_devices == ("bcd.dev/gpu=GPU-1",)

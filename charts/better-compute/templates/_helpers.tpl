@@ -55,6 +55,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-operator" (include "bcd.fullname" .) }}
 {{- end }}
 
+{{- /* The node-report CA's Secret: a provided one, else the named one, else <release>-node-ca. */ -}}
+{{- define "bcd.nodeCASecret" -}}
+{{- $ca := .Values.operator.nodeCA | default dict }}
+{{- $ca.existingSecret | default $ca.secretName | default (printf "%s-node-ca" .Release.Name) }}
+{{- end }}
+
 {{- define "bcd.devicePluginName" -}}
 {{- printf "%s-device-plugin" (include "bcd.fullname" .) }}
 {{- end }}
@@ -116,7 +122,7 @@ capabilities:
 {{- join "," $pairs }}
 {{- end }}
 
-{{- /* The Secret holding the node CA (tls.crt, tls.key). */ -}}
-{{- define "bcd.nodeCaSecretName" -}}
-{{- .Values.nodeCertificates.caSecret | default (printf "%s-node-ca" (include "bcd.fullname" .)) }}
+{{- /* "true" when the operator must not make the node CA: a provided Secret or cert-manager's. */ -}}
+{{- define "bcd.nodeCAProvided" -}}
+{{- if or .Values.operator.nodeCA.existingSecret .Values.nodeCertificates.certManager.enabled }}true{{ end }}
 {{- end }}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import errno
 import fcntl
 import functools
@@ -49,6 +50,7 @@ from rich.text import Text
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
+from bettercompute.core.attestation import Attestation, CertificateAuthority
 from bettercompute.core.errors import StoreError
 from bettercompute.dev import applying
 from bettercompute.dev import config as dev_config
@@ -262,8 +264,16 @@ async def started(
         applied = await applying.apply(ClusterService(db), loaded, nodes=nodes)
         if applied.retired_nodes:
             log.info("nodes no longer simulated: %s", ", ".join(applied.retired_nodes))
+        # A dev node-report authority, new each start: simulated nodes are certified by it and
+        # their bound reports checked exactly as the operator checks real nodes'.
+        authority = CertificateAuthority.generate(
+            now=dt.datetime.now(dt.UTC), name="bcd dev node-report CA"
+        )
         service = await ReservationService.start(
-            db=db, policy=engine, budget=backing.budget_check(db)
+            db=db,
+            policy=engine,
+            budget=backing.budget_check(db),
+            attestation=Attestation(authorities=(authority.certificate,)),
         )
         stack.push_async_callback(service.close)
 
@@ -286,6 +296,7 @@ async def started(
                     desired=node_service,
                     reports=service,
                     retry_on=(StoreError, OSError),
+                    authority=authority,
                 )
             except NodeAgentError as e:
                 raise DevError(str(e)) from None

@@ -14,6 +14,7 @@ Handlers here are a few lines around store calls; nothing here speaks SQL.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import functools
 import logging
 import time
@@ -598,7 +599,7 @@ def _verify_binding(
     node_id: str,
     allocation_id: str,
     reservation_id: str,
-    now: Any,
+    now: dt.datetime,
     revoked: attestation_.Revocations,
 ) -> attestation_.AttestedBinding:
     if signature is not None and not isinstance(signature, Mapping):

@@ -13,6 +13,9 @@ the Kubernetes API:
 - the inventory: a file written from the simulated node (``inventory.json`` under the node's
   root), read by the agent's ``FileInventory`` as on a node started with ``--inventory-file``;
 - the node key: ``node-key.pem`` under the node's root, created on first start;
+- the node certificate: given an authority (``dev`` makes one at start), ``SimEnrolment``
+  certifies the node's key from it and renews at two thirds of the lifetime, as a real node's
+  enrolment does, so the control plane checks simulated reports exactly like real ones;
 - pod holders: none (no kubelet in dev), so a release completes at once;
 - wake-ups: ``Wakeups`` wakes the agents of a reservation's nodes when the store says it
   changed, as the operator's watch wakes a real node's agent.
@@ -24,11 +27,13 @@ root, or import the store: it sees the control plane through the service.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from bettercompute.core import attestation
 from bettercompute.core.errors import StoreError
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.converging import Converger
@@ -191,6 +196,42 @@ def write_inventory(node: SimNode, path: Path) -> Path:
     return path
 
 
+class SimEnrolment:
+    """A simulated node's certificate: issued from ``authority`` for the node's key, renewed
+    once two thirds of its lifetime have passed. Called for the current PEM on every report."""
+
+    def __init__(
+        self,
+        *,
+        authority: attestation.CertificateAuthority,
+        node_name: str,
+        key: NodeKey,
+        lifetime: dt.timedelta = attestation.NODE_CERTIFICATE_LIFETIME,
+        clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        self.authority = authority
+        self.node_name = node_name
+        self.key = key
+        self.lifetime = lifetime
+        self.clock = clock
+        self._pem = ""
+        self._renew_at: dt.datetime | None = None
+
+    def __call__(self) -> str:
+        now = self.clock()
+        if self._renew_at is None or now >= self._renew_at:
+            cert = self.authority.issue(
+                public_key=self.key.public_key,
+                node_name=self.node_name,
+                role=attestation.ROLE_NODE,
+                now=now,
+                lifetime=self.lifetime,
+            )
+            self._pem = attestation.certificate_pem(cert).decode("ascii")
+            self._renew_at = now + self.lifetime * 2 / 3
+        return self._pem
+
+
 def node_agent(
     node: SimNode,
     *,
@@ -199,11 +240,13 @@ def node_agent(
     reports: Reports,
     retry_on: tuple[type[Exception], ...] = (OSError,),
     pass_seconds: float = PASS_SECONDS,
+    authority: attestation.CertificateAuthority | None = None,
 ) -> Converger:
     """The real node agent's converger for ``node``, its files, inventory and key under
     ``root``. Writes the inventory file (it is the simulated hardware) and creates the key on
-    first use; ``run()`` it, or ``sync_once()`` step by step. ``NodeAgentError`` when the
-    folder cannot be written or the key cannot be used."""
+    first use; with ``authority``, certifies the key from it (``SimEnrolment``). ``run()`` it,
+    or ``sync_once()`` step by step. ``NodeAgentError`` when the folder cannot be written or
+    the key cannot be used."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         inventory_file = write_inventory(node, root / "inventory.json")
@@ -219,6 +262,11 @@ def node_agent(
         desired=ServiceDesired(node_id=node.id, service=desired),
         reporter=ServiceReporter(service=reports),
         key=key,
+        certificate=(
+            None
+            if authority is None
+            else SimEnrolment(authority=authority, node_name=node.id, key=key)
+        ),
         pass_seconds=pass_seconds,
         retry_on=retry_on,
     )

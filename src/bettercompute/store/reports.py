@@ -11,7 +11,8 @@ that reads the node's revocations. Then the binding is what the node signed, mar
 ``attested``, and the signed bytes are kept as received. A report that fails the check never
 binds: in an allocation still binding nothing counts; a bound one is lost (its reservation
 shows ``Degraded/BindingLost``); either way ``reservation.binding-rejected`` is published with
-the reason.
+the reason. Node leases (binding ``node``) are exempt. Only bound reports are checked: failed,
+releasing and released reports cannot make anything count.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ async def report(
         if new_state is None:
             return False
         signed: attestation.AttestedBinding | None = None
-        if kind == "bound" and attest is not None:
+        # Node leases (binding 'node') are bound by the deploy workflow that verified the
+        # machine, not by a node's own report: they are exempt, as the guide says.
+        if kind == "bound" and attest is not None and alloc["binding"] != "node":
             now = await clock.current_time(conn)
             try:
                 signed = attest(
