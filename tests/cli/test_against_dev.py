@@ -62,6 +62,10 @@ async def test_the_walkthrough_against_a_live_dev_stack(tmp_path: Path) -> None:
             assert all(d.startswith("bcd.dev/gpu=GPU-") for d in devices)
             env_file = binding.json()["envFile"]
             assert await asyncio.to_thread(Path(env_file).is_file)
+            # dev's simulated nodes are certified by its dev authority: the binding is attested.
+            assert binding.json()["attested"] is True
+            table = await cli("reservations", "get", rid, "--tenant", "acme")
+            assert "attested: yes" in table.stdout, table
 
             extended = await cli("extend", rid, "--tenant", "acme", "--until", "+12h", "-o", "json")
             assert extended.rc == 0, extended

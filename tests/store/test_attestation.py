@@ -326,3 +326,39 @@ async def test_a_forged_re_report_of_an_active_binding_loses_it(
     view = await get(attested, rid)
     assert view["conditions"] == []
     assert view["binding"]["attested"] is True
+
+
+async def test_an_old_genuine_report_played_again_binds_nothing(
+    db: Database, attested: ReservationService
+) -> None:
+    rid, alloc = await binding(db, attested, "replay")
+    node = Node(alloc["node_id"])
+    first = node.signed(alloc, rid, await now_ms(db))
+    assert await bound(attested, alloc, first)
+    # The same report relayed again (an operator restart) while bound changes nothing.
+    assert await bound(attested, alloc, first)
+    await run(db)
+    assert (await get(attested, rid))["state"] == "active"
+
+    # The node loses its devices and says so; then the old Bound report is played again.
+    await advance(db, 10)
+    assert await attested.report(
+        node_id=alloc["node_id"], allocation_id=alloc["id"], kind="released", details={}
+    )
+    assert not await bound(attested, alloc, first)
+    await run(db)
+    view = await get(attested, rid)
+    assert conditions(view) == [("Degraded", "BindingLost")]
+    [event] = await rejections(db, rid)
+    assert event["reason"] == attestation.STALE
+
+    # And one from before it, genuinely signed, is just as stale.
+    older = node.signed(alloc, rid, await now_ms(db) - 60_000)
+    assert not await bound(attested, alloc, older)
+    assert [a["state"] for a in await allocations(db, rid)] == ["lost"]
+
+    # The node's report of now binds again.
+    await advance(db, 10)
+    assert await bound(attested, alloc, node.signed(alloc, rid, await now_ms(db)))
+    await run(db)
+    assert conditions(await get(attested, rid)) == []

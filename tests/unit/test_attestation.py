@@ -175,3 +175,35 @@ def test_a_request_with_a_non_ed25519_key_is_refused() -> None:
     csr = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, hashes.SHA256())
     with pytest.raises(AttestationError, match="not Ed25519"):
         read_request(csr.public_bytes(serialization.Encoding.PEM))
+
+
+def _binding(reported_at: str) -> attestation.AttestedBinding:
+    return attestation.AttestedBinding(
+        payload=b"",
+        signature=b"",
+        key_id="",
+        certificate_pem="",
+        serial=1,
+        cdi_devices=(),
+        env_file=None,
+        reported_at=reported_at,
+    )
+
+
+@pytest.mark.parametrize(
+    ("now", "before", "lost", "replay"),
+    [
+        ("2026-12-04T12:00:01.000Z", "2026-12-04T12:00:00.000Z", True, False),
+        ("2026-12-04T12:00:00.000Z", "2026-12-04T12:00:00.000Z", False, False),
+        ("2026-12-04T12:00:00.000Z", "2026-12-04T12:00:00.000Z", True, True),
+        ("2026-12-04T11:59:59.999Z", "2026-12-04T12:00:00.000Z", False, True),
+        ("not a time", "not a time", True, True),
+        ("not a time", "2026-12-04T12:00:00.000Z", False, False),
+    ],
+)
+def test_a_replay_is_an_older_report_or_the_same_after_a_loss(
+    now: str, before: str, lost: bool, replay: bool
+) -> None:
+    previous = attestation.canonical_bytes({"reportedAt": before})
+    assert attestation.is_replay(_binding(now), previous, lost=lost) is replay
+    assert attestation.is_replay(_binding(now), None, lost=lost) is False

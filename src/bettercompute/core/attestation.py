@@ -382,6 +382,7 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
 UNSIGNED = "unsigned report"
 NO_CERTIFICATE = "the report carries no node certificate"
 NOT_THIS_BINDING = "the signed report is not this allocation bound"
+STALE = "stale report: not newer than the binding last accepted"
 
 
 @dataclass(frozen=True)
@@ -395,6 +396,34 @@ class AttestedBinding:
     serial: int
     cdi_devices: tuple[str, ...]
     env_file: str | None
+    reported_at: str = ""
+
+
+def _moment(reported_at: object) -> datetime | None:
+    if not isinstance(reported_at, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(reported_at)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
+
+
+def is_replay(binding: AttestedBinding, previous_payload: bytes | None, *, lost: bool) -> bool:
+    """Whether ``binding`` is an old signed report played again: its ``reportedAt`` is before
+    that of the last bound report accepted for the allocation (``previous_payload``), or the
+    same report once the binding was lost since. A node's genuine report of now is never one."""
+    if previous_payload is None:
+        return False
+    try:
+        previous = json.loads(previous_payload.decode("utf-8")).get("reportedAt")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return False
+    now, then = _moment(binding.reported_at), _moment(previous)
+    if now is None or then is None:
+        # Not comparable as instants: only the very same report can be told apart.
+        return lost and binding.reported_at == previous
+    return now < then or (lost and now == then)
 
 
 @dataclass(frozen=True)
@@ -455,4 +484,5 @@ class Attestation:
             serial=cert.serial_number,
             cdi_devices=tuple(cdi_devices),
             env_file=env_file,
+            reported_at=str(document["reportedAt"]),
         )

@@ -11,7 +11,9 @@ that reads the node's revocations. Then the binding is what the node signed, mar
 ``attested``, and the signed bytes are kept as received. A report that fails the check never
 binds: in an allocation still binding nothing counts; a bound one is lost (its reservation
 shows ``Degraded/BindingLost``); either way ``reservation.binding-rejected`` is published with
-the reason. Node leases (binding ``node``) are exempt. Only bound reports are checked: failed,
+the reason. A genuine but old signed report played again (its ``reportedAt`` before the last
+one accepted, or that same one after the binding was lost) is rejected the same way. Node
+leases (binding ``node``) are exempt. Only bound reports are checked: failed,
 releasing and released reports cannot make anything count.
 """
 
@@ -83,6 +85,14 @@ async def report(
                 )
             except attestation.AttestationError as e:
                 await _reject(conn, alloc, pool_id=pool_row["pool_id"], reason=e.reason)
+                return False
+            previous = alloc["bound_report"]
+            if attestation.is_replay(
+                signed,
+                None if previous is None else bytes(previous),
+                lost=alloc["state"] == "lost",
+            ):
+                await _reject(conn, alloc, pool_id=pool_row["pool_id"], reason=attestation.STALE)
                 return False
             details = {"cdiDevices": list(signed.cdi_devices), "attested": True}
             if signed.env_file:
@@ -171,8 +181,8 @@ async def _reject(conn: Conn, alloc: Mapping[str, Any], *, pool_id: str, reason:
     await conn.execute(
         "UPDATE allocations SET state = CASE WHEN state = 'bound' THEN 'lost' ELSE state END,"
         " report = CASE WHEN state = 'bound' THEN %s ELSE report END,"
-        " bound_at = NULL, bound_report = NULL, bound_sig = NULL, bound_sig_kid = NULL,"
-        " bound_certificate = NULL, updated_at = compute_now() WHERE id = %s",
+        # The last accepted signed report stays: a replay of it is still told apart.
+        " bound_at = NULL, updated_at = compute_now() WHERE id = %s",
         (jsonb({"kind": "rejected", "reason": reason}), alloc["id"]),
     )
     await journal.emit(
