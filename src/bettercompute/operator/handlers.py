@@ -26,7 +26,7 @@ import kopf
 from bettercompute.core.errors import ComputeError
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, webhooks
+from bettercompute.operator import definitions, podaccess, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ RESERVATIONS = (names.GROUP, names.VERSION, "reservations")
 GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
 GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
 DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
+PODS = ("", "v1", "pods")
 
 
 def _runtime(memo: Any) -> Runtime:
@@ -42,7 +43,7 @@ def _runtime(memo: Any) -> Runtime:
     return runtime
 
 
-def _first(index: Any, key: str) -> Any:
+def _first(index: Any, key: Any) -> Any:
     """The one value an index holds under ``key`` (kopf indexes keep a collection)."""
     for value in index.get(key, ()):
         return value
@@ -127,6 +128,49 @@ def make_registry() -> kopf.OperatorRegistry:
         if problem is not None:
             raise kopf.AdmissionError(problem, code=422)
 
+    # --- Pods: only a reservation's own pods get its devices (``podaccess``) -----------------
+
+    @kopf.index(*RESERVATIONS, id="reservations_booked", registry=registry)
+    def reservations_booked(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        seen = podaccess.booked(body)
+        return {(seen.namespace, seen.name): seen}
+
+    @kopf.index(*RESERVATIONS, id="reservation_owners", registry=registry)
+    def reservation_owners(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        seen = podaccess.booked(body)
+        return {seen.resource_name: seen} if seen.resource_name else {}
+
+    @kopf.on.mutate(*PODS, id="pod-rewrite", operations=["CREATE"], registry=registry)
+    async def pod_rewritten(body: kopf.Body, patch: kopf.Patch, memo: Any, **kwargs: Any) -> None:
+        if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
+            return
+        reservation = await _labelled_reservation(_runtime(memo), body, kwargs)
+        changes = podaccess.rewritten(body, reservation)
+        if changes is not None:
+            patch.setdefault("metadata", {})["annotations"] = changes["annotations"]
+            patch.setdefault("spec", {}).update(changes["spec"])
+
+    @kopf.on.validate(*PODS, id="pod-check", operations=["CREATE", "UPDATE"], registry=registry)
+    async def pod_checked(body: kopf.Body, memo: Any, warnings: list[str], **kwargs: Any) -> None:
+        operation = kwargs.get("operation")
+        reservation = await _labelled_reservation(_runtime(memo), body, kwargs)
+        owners = kwargs["reservation_owners"]
+        problem = podaccess.refusal(
+            operation=operation,
+            pod=body,
+            old=kwargs.get("old"),
+            reservation_named=lambda namespace, name: reservation,
+            owner_of=lambda resource: _first(owners, resource),
+        )
+        if problem is not None:
+            raise kopf.AdmissionError(problem, code=403)
+        if operation == "CREATE":
+            pool_specs = kwargs["pool_specs"]
+            shared = any(podaccess.shares_devices(_first(pool_specs, p)) for p in pool_specs)
+            said = podaccess.warning(body, shared_pool_exists=shared)
+            if said is not None:
+                warnings.append(said)
+
     # --- GPUPools and GPUNodes ---------------------------------------------------------------
 
     @kopf.on.resume(*GPUPOOLS, registry=registry)
@@ -201,6 +245,24 @@ def make_registry() -> kopf.OperatorRegistry:
             runtime.projector.mark(rid)
 
     return registry
+
+
+async def _labelled_reservation(
+    runtime: Runtime, pod: Mapping[str, Any], kwargs: Mapping[str, Any]
+) -> podaccess.Booked | None:
+    """The Reservation a pod's label names in its namespace: from the watch's index, or from
+    the API when the index has not seen it (or its status) yet, so a pod made right after
+    its Reservation is not refused for the watch's lag."""
+    meta = pod.get("metadata") or {}
+    label = (meta.get("labels") or {}).get(names.POD_RESERVATION_LABEL)
+    namespace = meta.get("namespace")
+    if not label or not namespace:
+        return None
+    seen: podaccess.Booked | None = _first(kwargs["reservations_booked"], (namespace, label))
+    if seen is not None and seen.state is not None:
+        return seen
+    body = await runtime.kube.get(resources.RESERVATIONS, str(label), namespace=str(namespace))
+    return podaccess.booked(body) if body is not None else None
 
 
 async def _apply_nodes(
