@@ -387,3 +387,20 @@ def test_plain_gpus_without_a_label_are_warned_about_only_when_no_pool_shares():
     assert podaccess.shares_devices({"policy": {"kubernetes": True, "podAccess": "shared"}})
     assert not podaccess.shares_devices({"policy": {"kubernetes": True}})
     assert not podaccess.shares_devices({"policy": {"podAccess": "shared"}})
+
+
+def test_the_reservation_is_read_only_when_a_rule_needs_it():
+    labelled = pod().label("train").container(gpu=1).obj()
+    assert podaccess.needs_reservation(operation="CREATE", pod=labelled, old=None)
+    assert not podaccess.needs_reservation(
+        operation="CREATE", pod=pod().container(gpu=1).obj(), old=None
+    )
+    relabelled = copy.deepcopy(labelled)
+    relabelled["metadata"]["labels"]["app"] = "x"
+    assert not podaccess.needs_reservation(operation="UPDATE", pod=relabelled, old=labelled)
+    more = pod().label("train").container(gpu=2).obj()
+    assert podaccess.needs_reservation(operation="UPDATE", pod=more, old=labelled)
+    for name in ("train", "a.b-c", "x" * 253):
+        assert podaccess.is_object_name(name)
+    for name in ("", "Train", "a/b", "../x", "-a", "x" * 254, None, 3):
+        assert not podaccess.is_object_name(name)

@@ -130,11 +130,6 @@ def make_registry() -> kopf.OperatorRegistry:
 
     # --- Pods: only a reservation's own pods get its devices (``podaccess``) -----------------
 
-    @kopf.index(*RESERVATIONS, id="reservations_booked", registry=registry)
-    def reservations_booked(body: kopf.Body, **_: Any) -> dict[Any, Any]:
-        seen = podaccess.booked(body)
-        return {(seen.namespace, seen.name): seen}
-
     @kopf.index(*RESERVATIONS, id="reservation_owners", registry=registry)
     def reservation_owners(body: kopf.Body, **_: Any) -> dict[Any, Any]:
         seen = podaccess.booked(body)
@@ -144,7 +139,7 @@ def make_registry() -> kopf.OperatorRegistry:
     async def pod_rewritten(body: kopf.Body, patch: kopf.Patch, memo: Any, **kwargs: Any) -> None:
         if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
             return
-        reservation = await _labelled_reservation(_runtime(memo), body, kwargs)
+        reservation = await _labelled_reservation(_runtime(memo), body)
         changes = podaccess.rewritten(body, reservation)
         if changes is not None:
             patch.setdefault("metadata", {})["annotations"] = changes["annotations"]
@@ -152,13 +147,15 @@ def make_registry() -> kopf.OperatorRegistry:
 
     @kopf.on.validate(*PODS, id="pod-check", operations=["CREATE", "UPDATE"], registry=registry)
     async def pod_checked(body: kopf.Body, memo: Any, warnings: list[str], **kwargs: Any) -> None:
-        operation = kwargs.get("operation")
-        reservation = await _labelled_reservation(_runtime(memo), body, kwargs)
+        operation, old = kwargs.get("operation"), kwargs.get("old")
+        reservation = None
+        if podaccess.needs_reservation(operation=operation, pod=body, old=old):
+            reservation = await _labelled_reservation(_runtime(memo), body)
         owners = kwargs["reservation_owners"]
         problem = podaccess.refusal(
             operation=operation,
             pod=body,
-            old=kwargs.get("old"),
+            old=old,
             reservation_named=lambda namespace, name: reservation,
             owner_of=lambda resource: _first(owners, resource),
         )
@@ -248,19 +245,20 @@ def make_registry() -> kopf.OperatorRegistry:
 
 
 async def _labelled_reservation(
-    runtime: Runtime, pod: Mapping[str, Any], kwargs: Mapping[str, Any]
+    runtime: Runtime, pod: Mapping[str, Any]
 ) -> podaccess.Booked | None:
-    """The Reservation a pod's label names in its namespace: from the watch's index, or from
-    the API when the index has not seen it (or its status) yet, so a pod made right after
-    its Reservation is not refused for the watch's lag."""
+    """The Reservation a pod's label names in its namespace, read from the API server.
+
+    Why not from the watch: its events reach the operator a batching window late, and a
+    Reservation released a moment ago must not hand out its devices. A pod that asks bcd
+    devices is rare enough for one GET each. (Which Reservation owns a resource name never
+    changes, so that comes from the watch's index.)
+    """
     meta = pod.get("metadata") or {}
     label = (meta.get("labels") or {}).get(names.POD_RESERVATION_LABEL)
     namespace = meta.get("namespace")
-    if not label or not namespace:
-        return None
-    seen: podaccess.Booked | None = _first(kwargs["reservations_booked"], (namespace, label))
-    if seen is not None and seen.state is not None:
-        return seen
+    if not podaccess.is_object_name(label) or not podaccess.is_object_name(namespace):
+        return None  # mutating webhooks see a pod before its labels are validated
     body = await runtime.kube.get(resources.RESERVATIONS, str(label), namespace=str(namespace))
     return podaccess.booked(body) if body is not None else None
 

@@ -28,6 +28,7 @@ Reservations (``Booked``) and turns its answers into kopf's admission answers.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,13 @@ BCD_DOMAIN = "bcd.dev/"
 CLASS_OF = {resource: device_class for device_class, resource in names.RESOURCE_NAMES.items()}
 _LABEL = f"metadata.labels[{names.POD_RESERVATION_LABEL}]"
 _CONTAINER_LISTS = ("initContainers", "containers")
+#: A DNS-1123 subdomain: what a Reservation's (or a namespace's) name must be.
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def is_object_name(value: Any) -> bool:
+    """Whether ``value`` can name a Kubernetes object (so it is safe in an API path)."""
+    return isinstance(value, str) and _OBJECT_NAME.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)
@@ -298,6 +306,17 @@ def refusal(
     elif operation != "CREATE":
         return None
     return _create_refusal(pod, reservation_named=reservation_named, owner_of=owner_of)
+
+
+def needs_reservation(
+    *, operation: str | None, pod: Mapping[str, Any] | None, old: Mapping[str, Any] | None
+) -> bool:
+    """Whether ``refusal`` will ask for the labelled Reservation (so the caller reads it)."""
+    if pod is None or _label(pod) is None:
+        return False
+    if operation == "UPDATE" and old is not None:
+        return effective(asks(old)) != effective(asks(pod))
+    return operation == "CREATE"
 
 
 def _create_refusal(
