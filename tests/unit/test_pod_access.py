@@ -292,6 +292,16 @@ def test_a_resource_of_another_namespaces_reservation_is_refused_however_it_is_a
         assert "the resource of a Reservation in another namespace" in problem
 
 
+def test_a_held_class_left_unrewritten_is_refused_with_what_to_do():
+    # The mutating webhook saw the Reservation before it was admitted (or a later mutating
+    # webhook added the request): the pod would wait for shared devices it cannot have.
+    problem = check(pod().label("train").container(gpu=1).obj(), booked())
+    assert problem == (
+        "spec.containers[0]: asks bcd.dev/gpu; a pod of Reservation 'train' gets its devices "
+        f"as {RSV} (the mutating pod webhook rewrites bcd.dev/gpu on create: create the pod again)"
+    )
+
+
 def test_a_labelled_pod_may_not_ask_another_reservation_of_its_namespace():
     owners = {RSV: booked("train"), OTHER_RSV: booked("eval", resource_name=OTHER_RSV)}
     new = pod().label("train").container(other=1).obj()

@@ -401,12 +401,21 @@ def _fit_problem(reservation: Booked, wanted: Mapping[str, int], found: list[Ask
     holds = ", ".join(f"{n} {c}" for c, n in sorted(reservation.per_node.items())) or "nothing"
     if reservation.resource_name is not None:
         for resource in sorted(wanted):
-            if resource in CLASS_OF:
-                where = next(a.where for a in found if resource in a.counts)
+            if resource not in CLASS_OF:
+                continue
+            where = next(a.where for a in found if resource in a.counts)
+            if CLASS_OF[resource] in reservation.per_node:
+                # Held but not rewritten: the Reservation was admitted between the two webhooks,
+                # or a later mutating webhook added it. Creating the pod again rewrites it.
                 return (
-                    f"{where}: asks {resource}, which Reservation {name!r} does not hold "
-                    f"(it holds {holds} per node)"
+                    f"{where}: asks {resource}; a pod of Reservation {name!r} gets its devices "
+                    f"as {reservation.resource_name} (the mutating pod webhook rewrites "
+                    f"{resource} on create: create the pod again)"
                 )
+            return (
+                f"{where}: asks {resource}, which Reservation {name!r} does not hold "
+                f"(it holds {holds} per node)"
+            )
         asked = wanted.get(reservation.resource_name, 0)
         if asked > reservation.held:
             return (
