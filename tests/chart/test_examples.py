@@ -1,15 +1,18 @@
 """The manifests in examples/: each is an object the API server accepts (the Kubernetes schema,
 or our CRDs), each Reservation passes the validating webhook's checks (the core's own request
-validation), each GPUPool is one the operator accepts, and the ``binding: kubernetes`` example's
-Pod asks for the devices its Reservation books.
+validation), each GPUPool is one the operator accepts, and the labelled Pod names the
+``binding: kubernetes`` example's Reservation and passes the pod webhooks' rules for it.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 
 from bettercompute.kube import names
-from bettercompute.operator import definitions, webhooks
+from bettercompute.operator import definitions, podaccess, webhooks
 from tests.chart import rendering
 
 EXAMPLES = rendering.load_examples()
@@ -26,7 +29,7 @@ def test_the_examples_are_the_ones_the_readme_promises():
     assert ("reservation-mig.yaml", "Reservation") in kinds
     assert {
         ("reservation-kubernetes.yaml", "Reservation"),
-        ("reservation-kubernetes.yaml", "Pod"),
+        ("pod-reservation.yaml", "Pod"),
     } <= kinds
 
 
@@ -71,18 +74,50 @@ def test_the_mig_reservation_is_for_the_mig_pool():
     assert all(d["class"] == "mig" and d["profile"] for d in mig["spec"]["devices"])
 
 
-def test_the_pod_asks_for_what_its_reservation_books():
-    found = {o["kind"]: o for n, o in EXAMPLES if n == "reservation-kubernetes.yaml"}
-    reservation, pod = found["Reservation"], found["Pod"]
+def test_the_labelled_pod_asks_for_what_its_reservation_books():
+    (reservation,) = [o for n, o in EXAMPLES if n == "reservation-kubernetes.yaml"]
+    (pod,) = [o for n, o in EXAMPLES if n == "pod-reservation.yaml"]
     assert reservation["spec"]["binding"] == "kubernetes"
-    assert pod["metadata"]["namespace"] == reservation["metadata"]["namespace"]
+    meta = pod["metadata"]
+    assert meta["namespace"] == reservation["metadata"]["namespace"]
+    assert meta["labels"][names.POD_RESERVATION_LABEL] == reservation["metadata"]["name"]
     (device,) = reservation["spec"]["devices"]
     (container,) = pod["spec"]["containers"]
     assert container["resources"]["limits"] == {"bcd.dev/gpu": device["count"]}
-    # Its pool lets reservations hand devices to pods.
+    # Its pool lets reservations hand devices to pods, each under its own resource.
     (pool,) = [o for n, o in EXAMPLES if n == "gpupool.yaml"]
     assert pool["metadata"]["name"] == reservation["spec"]["poolId"]
     assert pool["spec"]["policy"]["kubernetes"] is True
+    assert pool["spec"]["policy"].get("podAccess", "reservation") == "reservation"
+
+    # The pod webhooks' rules, with the Reservation as it looks once admitted.
+    admitted = copy.deepcopy(reservation)
+    resource = names.reservation_resource_name("rsv_examplereservationid0000")
+    admitted["status"] = {"state": "active", "resourceName": resource}
+    booked = podaccess.booked(admitted)
+    changes = podaccess.rewritten(pod, booked)
+    assert changes is not None
+    (rewritten,) = changes["spec"]["containers"]
+    assert rewritten["resources"]["limits"] == {resource: str(device["count"])}
+    original = json.loads(changes["annotations"][names.ORIGINAL_RESOURCES])
+    assert original == {"containers": {"main": {"limits": {"bcd.dev/gpu": device["count"]}}}}
+    stored = copy.deepcopy(pod)
+    stored["spec"].update(changes["spec"])
+    stored["metadata"]["annotations"] = changes["annotations"]
+
+    def check(candidate: dict) -> str | None:
+        return podaccess.refusal(
+            operation="CREATE",
+            pod=candidate,
+            old=None,
+            reservation_named=lambda ns, name: booked if (ns, name) == ("ml", "infer-1") else None,
+            owner_of={resource: booked}.get,
+        )
+
+    assert check(stored) is None
+    elsewhere = copy.deepcopy(stored)
+    elsewhere["metadata"]["namespace"] = "team-b"
+    assert "another namespace" in (check(elsewhere) or "")
 
 
 def test_the_tenant_namespace_is_labelled():

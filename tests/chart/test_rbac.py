@@ -5,8 +5,9 @@
 - Enough, by construction: kopf's needs derived from the operator's real handler registry
   (watched kinds need list and watch, kinds with change handlers need patch).
 - Enough, by observation: the real operator and the real device plugin run one
-  ``binding: kubernetes`` reservation's whole life (placed, bound, active, released while a pod
-  holds a device, freed, deleted) against the API stand-in, each with its own token; every
+  ``binding: kubernetes`` reservation's whole life (placed, bound, active, a labelled pod
+  admitted through the chart's pod webhooks, released while a pod holds a device, freed,
+  deleted) against the API stand-in, each with its own token; every
   request each one made must be allowed by its rendered RBAC (``tests/chart/authorizing.py``).
 - The device plugin's own-node ValidatingAdmissionPolicy: its CEL, evaluated with cel-python,
   lets a node write its own objects and refuses another node's, naming the node.
@@ -33,18 +34,20 @@ from tests.chart import authorizing, rendering
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, Node
 from tests.support import kubeworld
-from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS, Ref
 from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
 NODE_CA = "bc-node-ca"
+PODS = Ref(group="", version="v1", plural="pods", namespaced=True)
 
 # (kind, apiGroup, resource, resourceNames, verbs, who needs it)
 EXPECTED = [
     # --- the operator, everywhere
     ("ClusterRole", OPERATOR, "bcd.dev", "reservations", None, "list watch patch", "kopf"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpupools", None, "list watch patch", "kopf"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "reservations", None, "get", "the pod webhook"),
     ("ClusterRole", OPERATOR, "bcd.dev", "reservations/status", None, "patch", "projecting.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpupools/status", None, "patch", "handlers.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
@@ -276,9 +279,15 @@ def test_kopfs_needs_from_the_operators_registry_are_granted(everything: renderi
         if kind == "ClusterRole" and name == OPERATOR and names is None
     }
     assert needs <= cluster_wide, needs - cluster_wide
-    # The webhooks need no RBAC, but they must be for the kinds the rules cover.
+    # The webhooks need no RBAC (the API server sends the object): the Reservation webhooks are
+    # for a kind the rules cover anyway, and the pod webhooks must not make the operator a
+    # reader of every pod.
     for handler in registry._webhooks.get_all_handlers():
+        if handler.selector.group == "":
+            assert handler.selector.any_name == "pods"
+            continue
         assert (handler.selector.group, handler.selector.any_name, "list") in cluster_wide
+    assert not any(resource == "pods" for _, resource, _ in cluster_wide)
 
 
 # --- observed: a whole reservation's life -------------------------------------------------
@@ -359,6 +368,7 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         "extra": {"authentication.kubernetes.io/node-name": [agents.NODE]},
     }
     node_config = agents.agent_config(kube=kube_api, node=node, api_token="plugin-token")
+    kube_api.emulator.declare(PODS, kind="Pod", status_subresource=True)
     async with operator_started(config, db=db) as operator:
         await operator.ready.wait()
         async with agent_started(node_config) as agent:
@@ -379,6 +389,12 @@ async def test_every_call_of_a_reservations_life_is_allowed(
             await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
             active = await kube_api.wait_for(RESERVATIONS, "ml", "train", _state("active"))
             allocation = await _allocation_of(kube_api, active["status"]["id"])
+            await _pod_admitted(
+                kube_api,
+                everything,
+                port=config.webhook_port or 0,
+                resource=active["status"]["resourceName"],
+            )
             node.pod_resources.holding({"ml/trainer-0": {GPU: allocation["spec"]["deviceIds"]}})
             await kube_api.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
             await kube_api.wait_for(RESERVATIONS, "ml", "train", _held_by(["ml/trainer-0"]))
@@ -421,6 +437,47 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         "GET", "/apis/bcd.dev/v1alpha1/namespaces/ml/deviceallocations", {"watch": "true"}
     )
     assert not plugin.allows(elsewhere)
+
+
+async def _pod_admitted(
+    kube: KubeApi, rendered: rendering.Rendered, *, port: int, resource: str
+) -> None:
+    """A labelled pod through the chart's pod webhooks, routed to the operator."""
+    async with asyncio.timeout(15):  # kopf starts its webhook server after discovery
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            break
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        configuration = rendered.one(kind)
+        hooks = [w for w in configuration["webhooks"] if w["name"].endswith(".pods.bcd.dev")]
+        service = hooks[0]["clientConfig"]["service"]
+        kube.emulator.webhook_services[(service["namespace"], service["name"])] = (
+            f"http://127.0.0.1:{port}"
+        )
+        await kube.create({**configuration, "webhooks": hooks})
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "trainer-0",
+            "namespace": "ml",
+            "labels": {"bcd.dev/reservation": "train"},
+        },
+        "spec": {
+            "containers": [
+                {"name": "main", "image": "x", "resources": {"limits": {"bcd.dev/gpu": "1"}}}
+            ]
+        },
+    }
+    created = await kube.create(pod)
+    (container,) = created["spec"]["containers"]
+    assert container["resources"]["limits"] == {resource: "1"}
 
 
 # --- the device plugin's own-node admission policy ------------------------------------------

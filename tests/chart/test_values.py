@@ -40,6 +40,9 @@ REFUSED = [
     ({"database": {"password": "x"}}, "/database", "'password' not allowed"),
     ({"webhook": {"failurePolicy": "Maybe"}}, "/webhook/failurePolicy", "one of"),
     ({"webhook": {"selfSigned": {"validityDays": 0}}}, "/webhook/selfSigned/validityDays", "min"),
+    ({"webhook": {"pods": {"enabled": "yes"}}}, "/webhook/pods/enabled", "want boolean"),
+    ({"webhook": {"pods": {"timeoutSeconds": 60}}}, "/webhook/pods/timeoutSeconds", "max"),
+    ({"webhook": {"pods": {"excludeNamespaces": "kube-system"}}}, "/webhook/pods", "want array"),
     (
         {"webhook": {"certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer"}}}},
         "/webhook/certManager/issuerRef",

@@ -28,11 +28,8 @@ SECRET = "bc-better-compute-webhook-tls"
 
 
 def _kopf_webhooks() -> dict[str, Any]:
-    """kopf's webhook handlers by kind: {"mutating": handler, "validating": handler}."""
-    found = {}
-    for handler in handlers.make_registry()._webhooks.get_all_handlers():
-        found[handler.reason.value] = handler
-    return found
+    """kopf's webhook handlers by the path kopf serves each at (``/<handler id>``)."""
+    return {f"/{h.id}": h for h in handlers.make_registry()._webhooks.get_all_handlers()}
 
 
 def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -47,29 +44,36 @@ def test_webhook_configurations_point_at_the_service_paths_kopf_serves(
     container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     listening = int(rendering.env_of(container)["BCD_WEBHOOK_PORT"])
     kopf_webhooks = _kopf_webhooks()
+    served = set()
     for kind, reason in (
         ("MutatingWebhookConfiguration", "mutating"),
         ("ValidatingWebhookConfiguration", "validating"),
     ):
-        (webhook,) = defaults.one(kind)["webhooks"]
-        handler = kopf_webhooks[reason]
-        target = webhook["clientConfig"]["service"]
-        assert (target["name"], target["namespace"]) == (SERVICE, rendering.NAMESPACE)
-        assert target["path"] == f"/{handler.id}"
-        (port,) = [p for p in service["spec"]["ports"] if p["port"] == target["port"]]
-        assert container_ports[port["targetPort"]] == listening
-        (rule,) = webhook["rules"]
-        assert rule["operations"] == list(handler.operations)
-        assert (rule["apiGroups"], rule["apiVersions"], rule["resources"]) == (
-            [handler.selector.group],
-            [handler.selector.version],
-            [handler.selector.any_name],
-        )
-        assert rule["scope"] == "Namespaced"
-        assert webhook["failurePolicy"] == "Fail"
-        assert webhook["sideEffects"] == "None"
-        assert webhook["admissionReviewVersions"] == ["v1"]
-        assert webhook["name"].endswith(".reservations.bcd.dev")
+        webhooks = defaults.one(kind)["webhooks"]
+        assert [w["name"] for w in webhooks] == [
+            f"{'stamp' if reason == 'mutating' else 'check'}.reservations.bcd.dev",
+            f"{'rewrite' if reason == 'mutating' else 'check'}.pods.bcd.dev",
+        ]
+        for webhook in webhooks:
+            target = webhook["clientConfig"]["service"]
+            handler = kopf_webhooks[target["path"]]
+            served.add(target["path"])
+            assert handler.reason.value == reason
+            assert (target["name"], target["namespace"]) == (SERVICE, rendering.NAMESPACE)
+            (port,) = [p for p in service["spec"]["ports"] if p["port"] == target["port"]]
+            assert container_ports[port["targetPort"]] == listening
+            (rule,) = webhook["rules"]
+            assert rule["operations"] == list(handler.operations)
+            assert (rule["apiGroups"], rule["apiVersions"], rule["resources"]) == (
+                [handler.selector.group or ""],
+                [handler.selector.version],
+                [handler.selector.any_name],
+            )
+            assert rule["scope"] == "Namespaced"
+            assert webhook["failurePolicy"] == "Fail"
+            assert webhook["sideEffects"] == "None"
+            assert webhook["admissionReviewVersions"] == ["v1"]
+    assert served == set(kopf_webhooks)  # every kopf webhook is registered, none twice
 
 
 def test_the_service_routes_to_the_operator_only(defaults: rendering.Rendered):
@@ -98,8 +102,8 @@ def test_the_generated_certificate_is_signed_by_the_ca_bundle(defaults: renderin
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert HOST in names.get_values_for_type(x509.DNSName)
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-        (webhook,) = defaults.one(kind)["webhooks"]
-        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        for webhook in defaults.one(kind)["webhooks"]:
+            assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     # The recorded expiry is the certificate's, which is what an upgrade renews by.
     recorded = int(secret["metadata"]["annotations"]["bcd.dev/not-after"])
     not_after = cert.not_valid_after_utc.timestamp()
@@ -138,7 +142,7 @@ def test_with_cert_manager_the_ca_is_injected_from_the_certificate(render):
         config = rendered.one(kind)
         annotation = config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
         assert annotation == f"{rendering.NAMESPACE}/{certificate['metadata']['name']}"
-        assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+        assert all("caBundle" not in w["clientConfig"] for w in config["webhooks"])
     template = rendered.one("StatefulSet")["spec"]["template"]
     (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "webhook-tls"]
     assert volume["secret"]["secretName"] == SECRET

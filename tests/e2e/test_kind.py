@@ -1,7 +1,8 @@
 """The chart on a real cluster (kind): installed, it places Reservations, hands a
-``binding: kubernetes`` reservation's devices to a Pod through the kubelet and containerd's CDI,
-keeps them booked after a release until the Pod is gone, and keeps or rotates its webhook
-certificate on upgrade as told.
+``binding: kubernetes`` reservation's devices to the Pod that names it (its ``bcd.dev/gpu``
+rewritten to the reservation's own resource) through the kubelet and containerd's CDI, refuses
+the pods of another namespace, keeps the devices booked after a release until the Pod is gone,
+and keeps or rotates its webhook certificate on upgrade as told.
 
 Runs where Docker and kind (v0.27+) run; skips elsewhere with the reason. README.md ("Install
 on a cluster (Helm)") says how to run it. The device plugin reads a simulated inventory (the
@@ -99,8 +100,11 @@ def test_a_pod_gets_the_cdi_devices_of_its_reservation_and_release_waits_for_it(
     booked = sorted(d.split("=", 1)[1] for d in _status(active)["binding"]["cdiDevices"])
     assert len(booked) == 2
 
-    # The example's Pod, on the image already on the node, printing what it was given.
-    pod = copy.deepcopy(_example("reservation-kubernetes.yaml", "Pod"))
+    resource = _status(active)["resourceName"]
+    assert resource.startswith("bcd.dev/rsv-")
+
+    # The example's labelled Pod, on the image already on the node, printing what it was given.
+    pod = copy.deepcopy(_example("pod-reservation.yaml", "Pod"))
     container = pod["spec"]["containers"][0]
     container["image"] = clusters.IMAGE
     container["imagePullPolicy"] = "Never"
@@ -109,6 +113,15 @@ def test_a_pod_gets_the_cdi_devices_of_its_reservation_and_release_waits_for_it(
     cluster.wait_for(
         "pod", "infer-1", NS, lambda o: _status(o).get("phase") == "Running", what="running"
     )
+    # The pod webhook rewrote its bcd.dev/gpu to the reservation's resource, which the node
+    # advertises (the kubelet adds it to the Node on its next status update).
+    running = cluster.get("pod", "infer-1", NS)
+    assert running is not None
+    assert running["spec"]["containers"][0]["resources"]["limits"] == {resource: "2"}
+    assert "bcd.dev/original-resources" in running["metadata"]["annotations"]
+    node = cluster.get("node", running["spec"]["nodeName"])
+    assert node is not None
+    assert node["status"]["capacity"][resource] == "2"
     env = dict(
         line.split("=", 1)
         for line in cluster.kubectl("exec", "-n", NS, "infer-1", "--", "env").splitlines()
@@ -142,6 +155,68 @@ def test_a_pod_gets_the_cdi_devices_of_its_reservation_and_release_waits_for_it(
         what="released with nothing held",
     )
     assert _status(freed)["id"] == rid
+
+
+def _refused(cluster: clusters.Cluster, pod: dict[str, Any]) -> str:
+    """The API server's refusal of ``pod`` (kubectl's error output)."""
+    with pytest.raises(clusters.ClusterError) as refused:
+        cluster.apply(pod)
+    message = str(refused.value)
+    assert 'admission webhook "check.pods.bcd.dev" denied the request' in message, message
+    return message
+
+
+def test_a_pod_of_another_namespace_cannot_take_a_reservations_devices(
+    cluster: clusters.Cluster,
+):
+    _setup_tenancy(cluster)
+    reservation = copy.deepcopy(_example("reservation-kubernetes.yaml", "Reservation"))
+    reservation["metadata"]["name"] = "infer-2"
+    cluster.apply(reservation)
+    placed = cluster.wait_for(
+        "rsv",
+        "infer-2",
+        NS,
+        lambda o: _state_in("placed", "binding", "active")(o) and "resourceName" in _status(o),
+        what="placed with its resource",
+    )
+    resource = _status(placed)["resourceName"]
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-b"}})
+
+    def pod(namespace: str, limits: dict[str, int], *, label: str | None = None) -> dict:
+        obj = copy.deepcopy(_example("pod-reservation.yaml", "Pod"))
+        obj["metadata"] = {"name": "thief", "namespace": namespace, "labels": {}}
+        if label is not None:
+            obj["metadata"]["labels"]["bcd.dev/reservation"] = label
+        container = obj["spec"]["containers"][0]
+        container.update(image=clusters.IMAGE, imagePullPolicy="Never", command=["sleep", "60"])
+        container["resources"] = {"limits": limits}
+        return obj
+
+    gpu = "bcd.dev/gpu"
+    labelled = pod("team-b", {gpu: 1}, label="infer-2")
+    assert "Reservation 'infer-2' does not exist in namespace 'team-b'" in _refused(
+        cluster, labelled
+    )
+    direct = pod("team-b", {resource: 1})
+    assert "the resource of a Reservation in another namespace" in _refused(cluster, direct)
+    too_many = pod(NS, {gpu: 3}, label="infer-2")
+    assert "asks 3 devices of Reservation 'infer-2'" in _refused(cluster, too_many)
+    assert cluster.get("pod", "thief", "team-b") is None
+
+    # Plain bcd.dev/gpu without a label is admitted (with a warning) but no node offers it:
+    # the pool shares nothing, so the scheduler cannot place it.
+    cluster.apply(pod("team-b", {gpu: 1}))
+    cluster.wait_for(
+        "pod",
+        "thief",
+        "team-b",
+        lambda o: _conditions(o).get("PodScheduled", {}).get("reason") == "Unschedulable",
+        what="unschedulable",
+        timeout_s=60,
+    )
+    cluster.kubectl("delete", "pod", "thief", "-n", "team-b", "--wait=true", timeout=120)
+    cluster.kubectl("delete", "rsv", "infer-2", "-n", NS, "--wait=true", timeout=120)
 
 
 def _certificate(cluster: clusters.Cluster) -> bytes:

@@ -443,7 +443,10 @@ async def test_core_and_peering_resources_are_declared(http: httpx.AsyncClient) 
         NAMESPACES.path(name="ml"),
         {"metadata": {"labels": {"bcd.dev/tenant": "acme"}}},
     )
-    assert labelled[1]["metadata"]["labels"] == {"bcd.dev/tenant": "acme"}
+    assert labelled[1]["metadata"]["labels"] == {
+        "bcd.dev/tenant": "acme",
+        "kubernetes.io/metadata.name": "ml",
+    }
     assert await events(http, NAMESPACES.path(), count=1) == [("ADDED", "ml")]
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "kopf-event-"}}
     code, posted = await send(http, "POST", EVENTS.path(namespace="ml"), event)
@@ -451,6 +454,25 @@ async def test_core_and_peering_resources_are_declared(http: httpx.AsyncClient) 
     assert posted["metadata"]["name"].startswith("kopf-event-")
     peer = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "p"}}
     assert (await send(http, "POST", KOPF_PEERINGS.path(namespace="ml"), peer))[0] == 201
+
+
+async def test_every_namespace_carries_its_name_as_a_label_that_cannot_be_changed(
+    http: httpx.AsyncClient,
+) -> None:
+    forged = {"kubernetes.io/metadata.name": "kube-system", "team": "a"}
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}}
+    namespace["metadata"]["labels"] = forged
+    code, created = await send(http, "POST", NAMESPACES.path(), namespace)
+    assert code == 201
+    assert created["metadata"]["labels"] == {"kubernetes.io/metadata.name": "ml", "team": "a"}
+    path = NAMESPACES.path(name="ml")
+    for patch in (
+        {"metadata": {"labels": {"kubernetes.io/metadata.name": "kube-system"}}},
+        {"metadata": {"labels": None}},
+    ):
+        code, patched = await send(http, "PATCH", path, patch)
+        assert code == 200
+        assert patched["metadata"]["labels"]["kubernetes.io/metadata.name"] == "ml"
 
 
 async def test_declare_crd_reads_a_manifest(http: httpx.AsyncClient) -> None:

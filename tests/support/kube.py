@@ -34,6 +34,10 @@ agent run against this subclass over real HTTP, so it answers as a real API serv
   configurations are ``admissionregistration.k8s.io/v1`` objects created through the API, and
   ``webhook_services`` maps a webhook's Service to a URL. ``put_raw`` stores past admission.
 
+- every Namespace carries ``kubernetes.io/metadata.name: <its name>``, set after the mutating
+  webhooks on create and update, as the API server's namespace strategy does (webhook
+  ``namespaceSelector``s name namespaces by it).
+
 Not done (real servers do): namespaces are not required to exist and are not cascaded on
 delete; no ``410 Gone`` unless a test calls ``compact``
 (the change log is otherwise never compacted), no server-side apply, no delete preconditions
@@ -89,6 +93,7 @@ __all__ = [
     "GPUPOOLS",
     "KOPF_PEERINGS",
     "NAMESPACES",
+    "NAMESPACE_NAME_LABEL",
     "RESERVATIONS",
     "SECRETS",
     "TOKEN_REVIEWS",
@@ -99,6 +104,9 @@ __all__ = [
 
 # --- the stand-in --------------------------------------------------------------------------
 
+
+#: The label the API server puts on every Namespace: its own name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 # libyaml when present: the project's CRDs parse in 6 ms instead of 50 ms, once per test.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -510,6 +518,8 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         obj = await chain.mutate(obj, None)
         meta = obj["metadata"]
         kubeobjects.validate(obj, namespace_name=resource == NAMESPACES.resource)
+        if resource == NAMESPACES.resource:
+            meta["labels"] = {**(meta.get("labels") or {}), NAMESPACE_NAME_LABEL: meta["name"]}
         key = (resource, meta.get("namespace"), meta["name"])
         if self._current(key) is not None:
             what = f"{resource.plural}.{resource.group}".rstrip(".")
@@ -608,6 +618,8 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
             if kubeobjects.spec_of(result) != kubeobjects.spec_of(current):
                 meta["generation"] = old_meta.get("generation", 0) + 1
             kubeobjects.validate(result, namespace_name=False)
+            if key[0] == NAMESPACES.resource:
+                meta["labels"] = {**(meta.get("labels") or {}), NAMESPACE_NAME_LABEL: key[2]}
             added = set(meta.get("finalizers") or ()) - set(old_meta.get("finalizers") or ())
             if old_meta.get("deletionTimestamp") and added:
                 raise kubeobjects.failure(

@@ -126,3 +126,13 @@ capabilities:
 {{- define "bcd.nodeCAProvided" -}}
 {{- if or .Values.operator.nodeCA.existingSecret .Values.nodeCertificates.certManager.enabled }}true{{ end }}
 {{- end }}
+
+{{/*
+The pod webhooks' matchConditions (CEL): the pod carries the bcd.dev/reservation label, or a
+container or init container asks a bcd.dev/ resource in its requests or limits. Written once
+for both lists (no list-of-lists trick, so the API server's type checker accepts it as is).
+*/}}
+{{- define "bcd.podWebhookCondition" -}}
+{{- $asks := "c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('bcd.dev/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('bcd.dev/'))))" -}}
+(has(object.metadata.labels) && 'bcd.dev/reservation' in object.metadata.labels) || object.spec.containers.exists({{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists({{ $asks }}))
+{{- end }}

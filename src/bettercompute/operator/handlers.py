@@ -26,7 +26,7 @@ import kopf
 from bettercompute.core.errors import ComputeError
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, webhooks
+from bettercompute.operator import definitions, podaccess, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
 GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
 DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
 CSRS = ("certificates.k8s.io", "v1", "certificatesigningrequests")
+PODS = ("", "v1", "pods")
 
 
 def _node_report_csr(spec: kopf.Spec, **_: Any) -> bool:
@@ -47,7 +48,7 @@ def _runtime(memo: Any) -> Runtime:
     return runtime
 
 
-def _first(index: Any, key: str) -> Any:
+def _first(index: Any, key: Any) -> Any:
     """The one value an index holds under ``key`` (kopf indexes keep a collection)."""
     for value in index.get(key, ()):
         return value
@@ -133,6 +134,46 @@ def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
         )
         if problem is not None:
             raise kopf.AdmissionError(problem, code=422)
+
+    # --- Pods: only a reservation's own pods get its devices (``podaccess``) -----------------
+
+    @kopf.index(*RESERVATIONS, id="reservation_owners", registry=registry)
+    def reservation_owners(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        seen = podaccess.booked(body)
+        return {seen.resource_name: seen} if seen.resource_name else {}
+
+    @kopf.on.mutate(*PODS, id="pod-rewrite", operations=["CREATE"], registry=registry)
+    async def pod_rewritten(body: kopf.Body, patch: kopf.Patch, memo: Any, **kwargs: Any) -> None:
+        if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
+            return
+        reservation = await _labelled_reservation(_runtime(memo), body)
+        changes = podaccess.rewritten(body, reservation)
+        if changes is not None:
+            patch.setdefault("metadata", {})["annotations"] = changes["annotations"]
+            patch.setdefault("spec", {}).update(changes["spec"])
+
+    @kopf.on.validate(*PODS, id="pod-check", operations=["CREATE", "UPDATE"], registry=registry)
+    async def pod_checked(body: kopf.Body, memo: Any, warnings: list[str], **kwargs: Any) -> None:
+        operation, old = kwargs.get("operation"), kwargs.get("old")
+        reservation = None
+        if podaccess.needs_reservation(operation=operation, pod=body, old=old):
+            reservation = await _labelled_reservation(_runtime(memo), body)
+        owners = kwargs["reservation_owners"]
+        problem = podaccess.refusal(
+            operation=operation,
+            pod=body,
+            old=old,
+            reservation_named=lambda namespace, name: reservation,
+            owner_of=lambda resource: _first(owners, resource),
+        )
+        if problem is not None:
+            raise kopf.AdmissionError(problem, code=403)
+        if operation == "CREATE":
+            pool_specs = kwargs["pool_specs"]
+            shared = any(podaccess.shares_devices(_first(pool_specs, p)) for p in pool_specs)
+            said = podaccess.warning(body, shared_pool_exists=shared)
+            if said is not None:
+                warnings.append(said)
 
     # --- GPUPools and GPUNodes ---------------------------------------------------------------
 
@@ -230,6 +271,25 @@ def _node_certificate_handlers(registry: kopf.OperatorRegistry) -> None:
             await signer.node_deleted(name)
         else:
             await signer.node_annotated(name, annotations)
+
+
+async def _labelled_reservation(
+    runtime: Runtime, pod: Mapping[str, Any]
+) -> podaccess.Booked | None:
+    """The Reservation a pod's label names in its namespace, read from the API server.
+
+    Why not from the watch: its events reach the operator a batching window late, and a
+    Reservation released a moment ago must not hand out its devices. A pod that asks bcd
+    devices is rare enough for one GET each. (Which Reservation owns a resource name never
+    changes, so that comes from the watch's index.)
+    """
+    meta = pod.get("metadata") or {}
+    label = (meta.get("labels") or {}).get(names.POD_RESERVATION_LABEL)
+    namespace = meta.get("namespace")
+    if not podaccess.is_object_name(label) or not podaccess.is_object_name(namespace):
+        return None  # mutating webhooks see a pod before its labels are validated
+    body = await runtime.kube.get(resources.RESERVATIONS, str(label), namespace=str(namespace))
+    return podaccess.booked(body) if body is not None else None
 
 
 async def _apply_nodes(

@@ -397,7 +397,7 @@ cli = typer.Typer(add_completion=False)
         "Run the Better Compute operator until SIGTERM or Ctrl-C: the Reservation, GPUPool, "
         "GPUNode and DeviceAllocation handlers, the signer of node certificates "
         "(CertificateSigningRequests of bcd.dev/node-report), the admission webhooks "
-        "(/stamp, /check), the "
+        "(Reservations: /stamp, /check; pods: /pod-rewrite, /pod-check), the "
         "reconciler and the HTTP API (with /healthz, /readyz and /metrics), against the "
         "cluster of the pod's service account, or $KUBECONFIG, or --api-server. Install the "
         "CRDs first (kubectl apply -f crds/).\n\n"
