@@ -4,6 +4,11 @@ One entry point for every node, real or simulated. A report is accepted only for
 placed on the reporting node; one naming another node's allocation is ignored exactly like an
 unknown one. The report moves the allocation and wakes its reservation's reconcile, which
 judges it; nothing here changes a reservation's state.
+
+A bound report's ``cgroupParent`` is kept only when it is exactly the slice the node makes for
+that allocation (``ids.cgroup_slice``) and the allocation is a ``hold``: a node cannot point a
+reservation at another allocation's slice, nor give a ``kubernetes`` binding (whose pods live in
+the kubelet's cgroups) a slice.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core import errors
+from bettercompute.core import errors, ids
 from bettercompute.store import clock, journal, placing
 from bettercompute.store.database import Database, jsonb
 
@@ -52,7 +57,8 @@ async def report(
         new_state = _next_allocation_state(alloc["state"], kind)
         if new_state is None:
             return False
-        report_body = {**(alloc["report"] or {}), **dict(details), "kind": kind}
+        kept = _kept_details(details, allocation_id=allocation_id, binding=alloc["binding"])
+        report_body = {**(alloc["report"] or {}), **kept, "kind": kind}
         await conn.execute(
             "UPDATE allocations SET state = %s, report = %s, updated_at = compute_now(),"
             " bound_at = CASE WHEN %s = 'bound' THEN compute_now() ELSE bound_at END"
@@ -74,6 +80,17 @@ async def report(
             await journal.wake_pending(conn, pool_id=pool_row["pool_id"])
         await journal.wake(conn, reservation_id=alloc["reservation_id"], at=None, why=kind)
     return True
+
+
+def _kept_details(
+    details: Mapping[str, Any], *, allocation_id: str, binding: str | None
+) -> dict[str, Any]:
+    """``details`` without a ``cgroupParent`` that is not this hold allocation's own slice."""
+    kept = dict(details)
+    parent = kept.pop("cgroupParent", None)
+    if (binding or "hold") == "hold" and parent == ids.cgroup_slice(allocation_id):
+        kept["cgroupParent"] = parent
+    return kept
 
 
 def _next_allocation_state(current: str, kind: str) -> str | None:
