@@ -44,8 +44,8 @@ class Limits(_Written):
     memoryBytes: int | None = Field(default=None, ge=0)
     hugepages1Gi: int | None = Field(default=None, ge=0)
     #: cpulists (``0-7,16``): the CPUs and the memory NUMA nodes the workload may use.
-    cpus: str | None = None
-    mems: str | None = None
+    cpus: str | None = Field(default=None, max_length=32768)
+    mems: str | None = Field(default=None, max_length=32768)
 
 
 class AllocationSpec(_Written):
