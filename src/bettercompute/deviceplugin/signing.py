@@ -17,7 +17,8 @@ The format (also in docs/node-reports.md):
 - **Payload** (the canonical bytes): a JSON object with exactly the keys ``purpose``
   (``"attested-report"``), ``nodeName``, ``allocationId``, ``reservationId``, ``phase``
   (``Bound`` | ``Failed`` | ``Releasing`` | ``Released``), ``cdiDevices`` (list of strings),
-  ``envFile`` (string, or null unless Bound), ``pods`` (list of ``namespace/name``, sorted),
+  ``envFile`` (string, or null unless Bound), ``cgroupParent`` (the cgroup slice of a bound
+  hold with limits, else null), ``pods`` (list of ``namespace/name``, sorted),
   ``since`` (epoch ms, or null unless Releasing) and ``reportedAt`` (RFC 3339 UTC with
   milliseconds, ``2026-12-02T14:00:00.000Z``); encoded with keys sorted, no whitespace
   (``","`` and ``":"`` separators), non-ASCII characters as UTF-8 rather than escapes.
@@ -27,7 +28,9 @@ The format (also in docs/node-reports.md):
 
 ``verify`` checks the algorithm, the key id against the key, the signature over the payload
 bytes exactly as received, that those bytes are canonical (so one report has one encoding) and
-that the object has exactly the fields above; any failure is ``SignatureError`` with the reason.
+that the object has exactly the fields above, or those of the previous format without
+``cgroupParent`` (an agent not yet upgraded signs them; read as null); any failure is
+``SignatureError`` with the reason.
 
 What it must never do: write the private key anywhere but its file, log it, or accept a report
 it cannot verify.
@@ -64,11 +67,14 @@ REPORT_FIELDS = frozenset(
         "phase",
         "cdiDevices",
         "envFile",
+        "cgroupParent",
         "pods",
         "since",
         "reportedAt",
     }
 )
+#: What an agent before ``cgroupParent`` signs; still verified during a rolling upgrade.
+PREVIOUS_REPORT_FIELDS = REPORT_FIELDS - {"cgroupParent"}
 
 
 class SigningError(Exception):
@@ -89,6 +95,7 @@ class Report:
     phase: str
     cdi_devices: tuple[str, ...] = ()
     env_file: str | None = None
+    cgroup_parent: str | None = None
     pods: tuple[str, ...] = ()
     since: int | None = None
     reported_at: str = ""
@@ -102,6 +109,7 @@ class Report:
             "phase": self.phase,
             "cdiDevices": list(self.cdi_devices),
             "envFile": self.env_file,
+            "cgroupParent": self.cgroup_parent,
             "pods": sorted(self.pods),
             "since": self.since,
             "reportedAt": self.reported_at,
@@ -232,10 +240,14 @@ def verify(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey) -> dic
         document = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise SignatureError(f"signature.payload: not UTF-8 JSON: {e}") from e
-    if not isinstance(document, dict) or set(document) != REPORT_FIELDS:
+    if not isinstance(document, dict) or set(document) not in (
+        REPORT_FIELDS,
+        PREVIOUS_REPORT_FIELDS,
+    ):
         raise SignatureError(f"signature.payload: must be an object with {sorted(REPORT_FIELDS)}")
     if canonical_bytes(document) != payload:
         raise SignatureError("signature.payload: not in canonical form")
+    document.setdefault("cgroupParent", None)
     if document["purpose"] != PURPOSE:
         raise SignatureError(f"signature.payload.purpose: {document['purpose']!r}")
     if document["phase"] not in PHASES:
