@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from bettercompute.deviceplugin import converging, inventory, serving, signing
 from bettercompute.deviceplugin.allocations import RESOURCES, Allocations
+from bettercompute.deviceplugin.cgroups import Cgroups
 from bettercompute.deviceplugin.converging import Converger, DesiredAllocations, StatusReporter
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.metrics import DevicePluginMetrics
@@ -55,6 +56,8 @@ class NodePlugin:
         inventory_interval_s: float = 5.0,
         register_poll_seconds: float = 0.1,
         retry_on: tuple[type[Exception], ...] = (OSError,),
+        cgroups: Cgroups | None = None,
+        no_limits_reason: str = "this node does not enforce host limits",
     ) -> None:
         self.allocations = Allocations()
         self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
@@ -81,6 +84,8 @@ class NodePlugin:
             key=key,
             pass_seconds=pass_seconds,
             retry_on=retry_on,
+            cgroups=cgroups,
+            no_limits_reason=no_limits_reason,
         )
         self.inventory_interval_s = inventory_interval_s
         self._retryable: tuple[type[Exception], ...] = (*retry_on, inventory.InventoryError)
