@@ -193,3 +193,34 @@ async def test_metrics_and_probes(kube_api: KubeApi, kubelet_node: Node, agent: 
     await kubelet_node.kubelet.start()
     await kubelet_node.kubelet.wait_registered([GPU, MIG, SLOT])
     await _until_ready(agent)
+
+
+def _condition(gpunode: dict, kind: str) -> dict:
+    return next(c for c in gpunode["status"]["conditions"] if c["type"] == kind)
+
+
+async def test_a_node_that_enforces_limits_advertises_devices_limits(
+    kube_api: KubeApi, agent: Agent
+) -> None:
+    gpunode = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+    assert "devices.limits" in gpunode["status"]["capabilities"]
+    enforced = _condition(gpunode, "HostLimitsEnforced")
+    assert (enforced["status"], enforced["reason"]) == ("True", "CgroupV2")
+
+
+async def test_without_cgroup_v2_the_node_does_not_advertise_devices_limits_and_says_why(
+    kube_api: KubeApi, kubelet_node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    (kubelet_node.cgroup_root / "cgroup.controllers").unlink()  # a cgroup v1 host
+    caplog.set_level(logging.WARNING, logger="bettercompute.deviceplugin.agent")
+    config = agents.agent_config(kube=kube_api, node=kubelet_node)
+    async with started(config):
+        gpunode = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+    assert gpunode["status"]["capabilities"] == ["binding.kubernetes"]
+    condition = _condition(gpunode, "HostLimitsEnforced")
+    assert (condition["status"], condition["reason"]) == ("False", "NotEnforced")
+    assert condition["message"].startswith(f"no cgroup v2 at {kubelet_node.cgroup_root}")
+    assert any(
+        "devices.limits is not advertised: no cgroup v2" in r.getMessage() for r in caplog.records
+    )
+    assert _condition(gpunode, "Ready")["status"] == "True"
