@@ -77,7 +77,7 @@ def test_limits_become_cgroup_files_and_round_trip_through_the_annotation() -> N
     assert limits.hugetlb_bytes == 3 << 30
     assert HostLimits.from_document(limits.document()) == limits
     for bad in ({"cpuMillis": "1"}, {"cpus": "x"}, {"other": 1}, [], {"cpuMillis": -1}):
-        with pytest.raises(ValueError, match="limits|not an integer|not a"):
+        with pytest.raises(ValueError, match=r"limits|not an integer|not a"):
             HostLimits.from_document(bad)
 
 
