@@ -14,6 +14,7 @@ import pytest
 
 from bettercompute.deviceplugin import signing
 from bettercompute.deviceplugin.agent import Agent, started
+from bettercompute.kube import allocations
 from tests.deviceplugin import agents
 from tests.deviceplugin.agents import OPERATOR_NAMESPACE as NS
 from tests.deviceplugin.conftest import GPU, MIG, NODE, SLOT, Node, allocation_spec, inventory
@@ -224,3 +225,27 @@ async def test_without_cgroup_v2_the_node_does_not_advertise_devices_limits_and_
         "devices.limits is not advertised: no cgroup v2" in r.getMessage() for r in caplog.records
     )
     assert _condition(gpunode, "Ready")["status"] == "True"
+
+
+async def test_a_hold_with_limits_is_bound_in_its_slice_through_the_api(
+    kube_api: KubeApi, kubelet_node: Node, agent: Agent
+) -> None:
+    # Through the API stand-in, which checks the spec and the node's status against the CRD.
+    limits = {"cpuMillis": 2000, "memoryBytes": 1 << 30, "hugepages1Gi": 0, "cpus": "0-1"}
+    spec = allocation_spec("alloc_l1", ["GPU-0"], binding="hold", limits=limits)
+    await kube_api.create(agents.device_allocation(spec))
+    bound = await kube_api.wait_for(DEVICEALLOCATIONS, NS, "alloc-l1", agents.phase_is("Bound"))
+    assert bound["status"]["cgroupParent"] == "bcd-alloc-alloc_l1.slice"
+    folder = kubelet_node.cgroup_root / "bcd-alloc-alloc_l1.slice"
+    assert (folder / "cpu.max").read_text() == "200000 100000\n"
+    assert (folder / "cpuset.cpus").read_text() == "0-1\n"
+    # What the operator passes on to the control plane.
+    assert allocations.report(bound["status"]) == (
+        "bound",
+        {
+            "cdiDevices": ["bcd.dev/gpu=GPU-0"],
+            "envFile": str(kubelet_node.root / "env" / "alloc_l1.env"),
+            "cgroupParent": "bcd-alloc-alloc_l1.slice",
+            "signature": bound["status"]["signature"],
+        },
+    )
