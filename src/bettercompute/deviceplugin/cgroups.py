@@ -229,7 +229,7 @@ class Cgroups:
                 "read-write into the agent"
             )
         try:
-            enabled = set(subtree.read_text().split())
+            enabled = {c.lstrip("+") for c in subtree.read_text().split()}
             if not set(wanted) <= enabled:
                 # One controller per write: the kernel refuses the whole line if one fails.
                 for controller in wanted:

@@ -44,8 +44,9 @@ twice because ``Allocations`` refuses a second owner.
 Health: ``follow_inventory`` feeds ``inventory.watch`` into ``Allocations``, so a device whose
 GPU turns unhealthy is advertised ``Unhealthy`` and ``Healthy`` again when it recovers.
 
-What it must never do: talk to Kubernetes (only through the ports), write outside ``DeviceFiles``,
-free devices a pod may still hold, or report anything unsigned.
+What it must never do: talk to Kubernetes (only through the ports), write outside ``DeviceFiles``
+and ``Cgroups``, free devices a pod may still hold, run a hold with limits without its slice,
+remove a slice that is not its own or still has processes, or report anything unsigned.
 """
 
 from __future__ import annotations
