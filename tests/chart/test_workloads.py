@@ -34,6 +34,7 @@ HOST_PATHS = {
     "/etc/cdi",
     "/run/bcd",
     "/var/lib/bcd",
+    "/sys/fs/cgroup",
 }
 POD = {"name": "bc-better-compute-operator-1", "index": "1", "node": "gpu-node-1"}
 

@@ -214,6 +214,9 @@ async def test_the_agent_binds_a_reservation_then_releases_it(
 ) -> None:
     node = await _world(db)
     agent = _agent(node, tmp_path, db, service)
+    # It advertises devices.limits, so it enforces them: in a folder laid out like cgroup v2.
+    assert agent.cgroups is not None
+    assert agent.cgroups.root == tmp_path / "cgroup"
     created = await service.create(caller(), CREATE)
     assert created["state"] == "placed"
     assert (await agent.sync_once()).bound == []  # placed: nothing desired before the start

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bettercompute.deviceplugin.agent import AgentConfig
+from bettercompute.deviceplugin.cgroups import lay_out_standin
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import write_inventory_file
 from bettercompute.deviceplugin.signing import NodeKey
@@ -32,6 +33,7 @@ async def standing_node() -> AsyncIterator[Node]:
     (root / "plugins").mkdir()
     (root / "pod-resources").mkdir()
     write_inventory_file(path=root / "inventory.yaml", inventory=inventory())
+    lay_out_standin(root / "cgroup")
     node = Node(
         root=root,
         kubelet=Kubelet(root / "plugins"),
@@ -64,6 +66,8 @@ def agent_config(*, kube: KubeApi | None, node: Node, **overrides: Any) -> Agent
         "cdi_dir": node.root / "cdi",
         "env_dir": node.root / "env",
         "node_key": node.root / "key" / "node-key.pem",
+        "cgroup_root": node.cgroup_root,
+        "slice_records": node.slice_records,
         "metrics_host": "127.0.0.1",
         "metrics_port": 0,
         "node_labels": POOL_LABELS,

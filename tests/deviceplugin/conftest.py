@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bettercompute.deviceplugin.cgroups import Cgroups, lay_out_standin
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import (
     FileInventory,
@@ -175,6 +176,20 @@ class Node:
     def plugin_dir(self) -> Path:
         return self.root / "plugins"
 
+    @property
+    def cgroup_root(self) -> Path:
+        """A folder laid out like the host's cgroup v2 root (``lay_out_standin``)."""
+        return self.root / "cgroup"
+
+    @property
+    def slice_records(self) -> Path:
+        return self.root / "slices"
+
+    def cgroups(self) -> Cgroups | None:
+        """The node's slices, as the agent sets them up: None where cgroup v2 is missing."""
+        cgroups = Cgroups(self.cgroup_root, records=self.slice_records)
+        return cgroups if cgroups.enforcement_problem() is None else None
+
     def make_plugin(self) -> NodePlugin:
         self.registry = CollectorRegistry()  # a fresh one: a second plugin registers anew
         return NodePlugin(
@@ -190,6 +205,7 @@ class Node:
             pass_seconds=0.05,
             inventory_interval_s=0.02,
             register_poll_seconds=0.05,
+            cgroups=self.cgroups(),
         )
 
     def put(self, spec: dict[str, Any]) -> None:
@@ -216,7 +232,11 @@ class Node:
         return sorted(
             str(p.relative_to(self.root))
             for p in self.root.rglob("*")
-            if p.is_file() and not p.name.endswith(".sock") and p != self.inventory_file
+            if p.is_file()
+            and not p.name.endswith(".sock")
+            and p != self.inventory_file
+            and not p.is_relative_to(self.cgroup_root)
+            and not p.is_relative_to(self.slice_records)
         )
 
 
@@ -227,6 +247,7 @@ async def kubelet_node(short_dir: Path) -> AsyncIterator[Node]:
     (short_dir / "pod-resources").mkdir()
     inventory_file = short_dir / "inventory.yaml"
     write_inventory_file(path=inventory_file, inventory=inventory())
+    lay_out_standin(short_dir / "cgroup")
     node = Node(
         root=short_dir,
         kubelet=Kubelet(short_dir / "plugins"),

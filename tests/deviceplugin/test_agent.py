@@ -14,6 +14,7 @@ import pytest
 
 from bettercompute.deviceplugin import signing
 from bettercompute.deviceplugin.agent import Agent, started
+from bettercompute.kube import allocations
 from tests.deviceplugin import agents
 from tests.deviceplugin.agents import OPERATOR_NAMESPACE as NS
 from tests.deviceplugin.conftest import GPU, MIG, NODE, SLOT, Node, allocation_spec, inventory
@@ -193,3 +194,58 @@ async def test_metrics_and_probes(kube_api: KubeApi, kubelet_node: Node, agent: 
     await kubelet_node.kubelet.start()
     await kubelet_node.kubelet.wait_registered([GPU, MIG, SLOT])
     await _until_ready(agent)
+
+
+def _condition(gpunode: dict, kind: str) -> dict:
+    return next(c for c in gpunode["status"]["conditions"] if c["type"] == kind)
+
+
+async def test_a_node_that_enforces_limits_advertises_devices_limits(
+    kube_api: KubeApi, agent: Agent
+) -> None:
+    gpunode = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+    assert "devices.limits" in gpunode["status"]["capabilities"]
+    enforced = _condition(gpunode, "HostLimitsEnforced")
+    assert (enforced["status"], enforced["reason"]) == ("True", "CgroupV2")
+
+
+async def test_without_cgroup_v2_the_node_does_not_advertise_devices_limits_and_says_why(
+    kube_api: KubeApi, kubelet_node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    (kubelet_node.cgroup_root / "cgroup.controllers").unlink()  # a cgroup v1 host
+    caplog.set_level(logging.WARNING, logger="bettercompute.deviceplugin.agent")
+    config = agents.agent_config(kube=kube_api, node=kubelet_node)
+    async with started(config):
+        gpunode = await agents.wait_gpunode(kube_api, lambda o: bool(o.get("status")))
+    assert gpunode["status"]["capabilities"] == ["binding.kubernetes"]
+    condition = _condition(gpunode, "HostLimitsEnforced")
+    assert (condition["status"], condition["reason"]) == ("False", "NotEnforced")
+    assert condition["message"].startswith(f"no cgroup v2 at {kubelet_node.cgroup_root}")
+    assert any(
+        "devices.limits is not advertised: no cgroup v2" in r.getMessage() for r in caplog.records
+    )
+    assert _condition(gpunode, "Ready")["status"] == "True"
+
+
+async def test_a_hold_with_limits_is_bound_in_its_slice_through_the_api(
+    kube_api: KubeApi, kubelet_node: Node, agent: Agent
+) -> None:
+    # Through the API stand-in, which checks the spec and the node's status against the CRD.
+    limits = {"cpuMillis": 2000, "memoryBytes": 1 << 30, "hugepages1Gi": 0, "cpus": "0-1"}
+    spec = allocation_spec("alloc_l1", ["GPU-0"], binding="hold", limits=limits)
+    await kube_api.create(agents.device_allocation(spec))
+    bound = await kube_api.wait_for(DEVICEALLOCATIONS, NS, "alloc-l1", agents.phase_is("Bound"))
+    assert bound["status"]["cgroupParent"] == "bcd-alloc-alloc_l1.slice"
+    folder = kubelet_node.cgroup_root / "bcd-alloc-alloc_l1.slice"
+    assert (folder / "cpu.max").read_text() == "200000 100000\n"
+    assert (folder / "cpuset.cpus").read_text() == "0-1\n"
+    # What the operator passes on to the control plane.
+    assert allocations.report(bound["status"]) == (
+        "bound",
+        {
+            "cdiDevices": ["bcd.dev/gpu=GPU-0"],
+            "envFile": str(kubelet_node.root / "env" / "alloc_l1.env"),
+            "cgroupParent": "bcd-alloc-alloc_l1.slice",
+            "signature": bound["status"]["signature"],
+        },
+    )

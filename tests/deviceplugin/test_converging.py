@@ -48,6 +48,7 @@ async def test_binding_writes_valid_files_and_reports_bound_signed(running_node:
         "phase": "Bound",
         "cdiDevices": ["bcd.dev/gpu=GPU-0", "bcd.dev/gpu=GPU-1"],
         "envFile": str(env_file),
+        "cgroupParent": None,  # a kubernetes binding gets no slice
         "pods": [],
         "since": None,
         "reportedAt": status["reportedAt"],
@@ -243,8 +244,9 @@ async def test_a_bad_spec_is_reported_failed_and_writes_nothing(
     assert reason in failed["reason"]
     assert node.files_on_disk() == []  # nothing anywhere under the node's root
     assert {p.name for p in node.root.iterdir()} <= {
-        "cdi", "env", "inventory.yaml", "plugins", "pod-resources",
+        "cdi", "env", "inventory.yaml", "plugins", "pod-resources", "cgroup", "slices",
     }  # fmt: skip
+    assert list(node.cgroup_root.glob("*.slice")) == []
     await node.stream(GPU).wait_devices({})
     signing.verify(signature=failed["signature"], public_key=node.key.public_key)
 

@@ -34,7 +34,7 @@ def two_quads_and_a_loner() -> inventory.Inventory:
     ring = [gpu(i, peers=((i + 1) % 4,)) for i in range(4)]
     mesh = [gpu(i, peers=tuple(p for p in range(4, 8) if p != i)) for i in range(4, 8)]
     return inventory.Inventory(
-        node_name=NODE, gpus=(*ring, *mesh, gpu(8)), vcpu=96, memory_gib=1024
+        node_name=NODE, gpus=(*ring, *mesh, gpu(8)), vcpu=96, memory_gib=1024, hugepages_1gi=8
     )
 
 
@@ -63,6 +63,7 @@ def test_a_written_inventory_reads_back_equal(tmp_path: Path, name: str) -> None
     assert read == original
     assert read.vcpu == 96
     assert read.memory_gib == 1024
+    assert read.hugepages_1gi == 8
     if name.endswith(".json"):
         assert json.loads(path.read_text())["gpus"][0]["uuid"] == "GPU-0000"
 

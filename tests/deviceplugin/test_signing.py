@@ -65,7 +65,8 @@ def test_canonical_bytes_are_sorted_compact_utf8() -> None:
     assert (
         signing.canonical_bytes(document)
         == (
-            '{"allocationId":"alloc_01k","cdiDevices":[],"envFile":null,"nodeName":"nœud-1",'
+            '{"allocationId":"alloc_01k","cdiDevices":[],"cgroupParent":null,"envFile":null,'
+            '"nodeName":"nœud-1",'
             '"phase":"Releasing","pods":["ml/trainer-0","ml/trainer-1"],'
             '"purpose":"attested-report","reportedAt":"2026-12-02T14:00:00.000Z",'
             '"reservationId":"rsv_1","since":1790001000000}'
@@ -134,6 +135,51 @@ def test_a_tampered_report_does_not_verify(tamper: Any, reason: str) -> None:
 
     with pytest.raises(SignatureError, match=reason):
         signing.verify(signature=block, public_key=key.public_key)
+
+
+def _signed_bytes(key: NodeKey, payload: bytes) -> dict[str, str]:
+    """A genuine signature by ``key`` over any bytes: what a node running other code signs."""
+    private = serialization.load_pem_private_key(key.private_pem(), password=None)
+    return {
+        "keyId": key.key_id,
+        "algorithm": "ed25519",
+        "payload": base64.b64encode(payload).decode(),
+        "value": base64.b64encode(private.sign(payload)).decode(),  # type: ignore[union-attr, call-arg]
+    }
+
+
+def test_a_bound_hold_signs_its_cgroup_slice() -> None:
+    key = NodeKey.generate()
+    bound = Report(
+        node_name="gpu-node-1",
+        allocation_id="alloc_01k",
+        reservation_id="rsv_1",
+        phase="Bound",
+        cdi_devices=("bcd.dev/gpu=GPU-0",),
+        env_file="/run/bcd/allocations/alloc_01k.env",
+        cgroup_parent="bcd-alloc-alloc_01k.slice",
+        reported_at="2026-12-02T14:00:00.000Z",
+    )
+    block = key.sign(bound)
+    assert _payload(block)["cgroupParent"] == "bcd-alloc-alloc_01k.slice"
+    assert signing.verify(signature=block, public_key=key.public_key) == bound.document()
+    # The slice is signed: a relay cannot swap it for another one.
+    forged = _with_payload(block, {**_payload(block), "cgroupParent": "x.slice"}, canonical=True)
+    with pytest.raises(SignatureError, match="does not verify"):
+        signing.verify(signature=forged, public_key=key.public_key)
+
+
+def test_a_report_in_the_previous_format_still_verifies_with_no_slice() -> None:
+    """An agent not yet upgraded signs the fields without ``cgroupParent``."""
+    key = NodeKey.generate()
+    previous = {k: v for k, v in REPORT.document().items() if k != "cgroupParent"}
+    block = _signed_bytes(key, signing.canonical_bytes(previous))
+    assert signing.verify(signature=block, public_key=key.public_key) == REPORT.document()
+    # Any other field set is still refused.
+    for extra in ({**previous, "cgroupPath": "/x"}, {**REPORT.document(), "more": 1}):
+        block = _signed_bytes(key, signing.canonical_bytes(extra))
+        with pytest.raises(SignatureError, match="must be an object with"):
+            signing.verify(signature=block, public_key=key.public_key)
 
 
 def test_a_genuinely_signed_but_non_canonical_or_incomplete_payload_is_refused() -> None:

@@ -677,6 +677,20 @@ BINDING_VIEWS: dict[str, tuple[list[Allocation], dict[str, Any]]] = {
             ],
         },
     ),
+    "a gang of holds with limits: the first slice, and all of them": (
+        [
+            alloc("n1", "bound", cdiDevices=[], cgroupParent="bcd-alloc-alloc_n1.slice"),
+            alloc("n2", "bound", cdiDevices=[], cgroupParent="bcd-alloc-alloc_n2.slice"),
+        ],
+        {
+            "nodeId": "n1",
+            "nodeIds": ["n1", "n2"],
+            "allocationIds": ["alloc_n1", "alloc_n2"],
+            "cdiDevices": [],
+            "cgroupParent": "bcd-alloc-alloc_n1.slice",
+            "cgroupParents": ["bcd-alloc-alloc_n1.slice", "bcd-alloc-alloc_n2.slice"],
+        },
+    ),
     "no report details: no devices, no env file": (
         [alloc("n1", "bound")],
         {

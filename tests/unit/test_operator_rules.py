@@ -232,6 +232,22 @@ def test_only_a_reservation_mode_kubernetes_allocation_gets_its_own_resource_nam
             {"phase": "Bound", "cdiDevices": ["bcd.dev/gpu=G"], "envFile": "/e"},
             ("bound", {"cdiDevices": ["bcd.dev/gpu=G"], "envFile": "/e"}),
         ),
+        (
+            {
+                "phase": "Bound",
+                "cdiDevices": ["bcd.dev/gpu=G"],
+                "envFile": "/e",
+                "cgroupParent": "bcd-alloc-alloc_1.slice",
+            },
+            (
+                "bound",
+                {
+                    "cdiDevices": ["bcd.dev/gpu=G"],
+                    "envFile": "/e",
+                    "cgroupParent": "bcd-alloc-alloc_1.slice",
+                },
+            ),
+        ),
         ({"phase": "Failed"}, ("failed", {"reason": "the node did not say why"})),
         (
             {"phase": "Releasing", "pods": ["ml/p"], "since": 5},
@@ -253,6 +269,7 @@ def test_node_reports(status, expected):
         ({"phase": "Bound", "cdiDevices": "bcd.dev/gpu=G"}, "status.cdiDevices"),
         ({"phase": "Releasing", "since": "yesterday"}, "status.since"),
         ({"phase": "Bound", "signature": "forged"}, "status.signature"),
+        ({"phase": "Bound", "cgroupParent": ["x.slice"]}, "status.cgroupParent"),
         ([], "status"),
     ],
 )

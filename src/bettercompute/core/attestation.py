@@ -52,11 +52,15 @@ REPORT_FIELDS = frozenset(
         "phase",
         "cdiDevices",
         "envFile",
+        "cgroupParent",
         "pods",
         "since",
         "reportedAt",
     }
 )
+#: What an agent from before ``cgroupParent`` signs; still verified during a rolling upgrade
+#: (its ``cgroupParent`` reads as null).
+PREVIOUS_REPORT_FIELDS = REPORT_FIELDS - {"cgroupParent"}
 
 
 class AttestationError(Exception):
@@ -362,7 +366,10 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
         document = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise AttestationError(f"signature.payload: not UTF-8 JSON: {e}") from e
-    if not isinstance(document, dict) or set(document) != REPORT_FIELDS:
+    if not isinstance(document, dict) or set(document) not in (
+        REPORT_FIELDS,
+        PREVIOUS_REPORT_FIELDS,
+    ):
         raise AttestationError(f"signature.payload: must be an object with {sorted(REPORT_FIELDS)}")
     try:
         canonical = canonical_bytes(document)
@@ -374,6 +381,7 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
         raise AttestationError(f"signature.payload.purpose: {document['purpose']!r}")
     if document["phase"] not in PHASES:
         raise AttestationError(f"signature.payload.phase: {document['phase']!r}")
+    document.setdefault("cgroupParent", None)
     return document
 
 
@@ -397,6 +405,9 @@ class AttestedBinding:
     cdi_devices: tuple[str, ...]
     env_file: str | None
     reported_at: str = ""
+    #: The cgroup slice the node names for a hold with limits (kept only when it is exactly
+    #: that allocation's own slice: the store decides).
+    cgroup_parent: str | None = None
 
 
 def _moment(reported_at: object) -> datetime | None:
@@ -476,6 +487,9 @@ class Attestation:
             raise AttestationError("signature.payload.cdiDevices: must be a list of strings")
         if env_file is not None and not isinstance(env_file, str):
             raise AttestationError("signature.payload.envFile: must be a string or null")
+        cgroup_parent = document["cgroupParent"]
+        if cgroup_parent is not None and not isinstance(cgroup_parent, str):
+            raise AttestationError("signature.payload.cgroupParent: must be a string or null")
         return AttestedBinding(
             payload=_decode(signature, "payload"),
             signature=_decode(signature, "value"),
@@ -485,4 +499,5 @@ class Attestation:
             cdi_devices=tuple(cdi_devices),
             env_file=env_file,
             reported_at=str(document["reportedAt"]),
+            cgroup_parent=cgroup_parent,
         )

@@ -73,3 +73,24 @@ def reservation_resource_name(reservation_id: str) -> str:
     if not body:
         raise ValueError(f"reservation id {reservation_id!r} has no characters to name it by")
     return RESERVATION_RESOURCE_PREFIX + body
+
+
+#: A ``hold`` allocation with host limits runs in the cgroup v2 slice ``bcd-alloc-<id>.slice``.
+CGROUP_SLICE_PREFIX = "bcd-alloc-"
+CGROUP_SLICE_SUFFIX = ".slice"
+
+
+def cgroup_slice(allocation_id: str) -> str:
+    """The cgroup slice of a ``hold`` allocation with limits: ``alloc_01k…`` →
+    ``bcd-alloc-alloc_01k….slice``.
+
+    Every character but an ASCII letter, a digit or ``_`` becomes ``_``: ``/`` or ``..`` could
+    leave the cgroup root, and systemd reads a ``-`` in a slice name as nesting, so
+    ``alloc-a`` would land inside another allocation's slice. The node and the control plane
+    both name a slice with this function, so the control plane keeps a reported slice only
+    when it is exactly this name of that allocation.
+    """
+    body = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in allocation_id)
+    if not body:
+        raise ValueError("an allocation id is needed to name its cgroup slice")
+    return CGROUP_SLICE_PREFIX + body + CGROUP_SLICE_SUFFIX

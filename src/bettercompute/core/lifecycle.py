@@ -418,7 +418,8 @@ def _fail(
 
 
 def binding_view(allocations: Sequence[Allocation]) -> dict[str, Any]:
-    """The ``binding`` shown once nodes have bound: nodes, allocations, CDI devices, env files."""
+    """The ``binding`` shown once nodes have bound: nodes, allocations, CDI devices, env files
+    and, for a hold with limits, the cgroup slice (``cgroupParent``)."""
     reports = [a.report or {} for a in allocations]
     view: dict[str, Any] = {
         "nodeId": allocations[0].node_id,
@@ -434,4 +435,10 @@ def binding_view(allocations: Sequence[Allocation]) -> dict[str, Any]:
         view["envFile"] = env_files[0]
         if len(env_files) > 1:
             view["envFiles"] = env_files
+    # The store keeps a node's slice only when it is that allocation's own (store.reports).
+    slices = [r["cgroupParent"] for r in reports if r.get("cgroupParent")]
+    if slices:
+        view["cgroupParent"] = slices[0]
+        if len(slices) > 1:
+            view["cgroupParents"] = slices
     return view

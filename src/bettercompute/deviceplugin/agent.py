@@ -4,7 +4,9 @@ Why it exists: it is the composition root of the node side. ``started`` wires, i
 
 1. the inventory (a simulated file, else NVML), read once so a bad file stops the start with a
    one-line error instead of a retry loop nobody reads;
-2. the node key (created on first start) and the API credentials;
+2. the node key (created on first start), the API credentials, and whether the node can
+   enforce host limits in cgroup v2 slices: only then does it advertise ``devices.limits``,
+   and otherwise it logs why and says so in the GPUNode's ``HostLimitsEnforced`` condition;
 3. the HTTP server for ``/metrics`` (the ``CollectorRegistry`` the plugin's metrics use),
    ``/healthz`` (the process answers) and ``/readyz`` (registered with the kubelet for every
    resource and the first converger pass done);
@@ -41,7 +43,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from bettercompute import supervising
-from bettercompute.deviceplugin import converging, enrolling, registering, serving
+from bettercompute.deviceplugin import cgroups, converging, enrolling, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import (
@@ -54,6 +56,7 @@ from bettercompute.deviceplugin.podresources import POD_RESOURCES_SOCKET, PodRes
 from bettercompute.deviceplugin.publishing import (
     CAPABILITIES,
     HEARTBEAT_SECONDS,
+    LIMITS_CAPABILITY,
     NodePublisher,
     parse_labels,
 )
@@ -95,6 +98,10 @@ class AgentConfig:
     enrol: bool = True
     #: The lifetime the node certificate is asked for (the operator may give less).
     certificate_lifetime: dt.timedelta = enrolling.LIFETIME
+    #: The host's cgroup v2 root, where each hold with limits gets its slice.
+    cgroup_root: Path = cgroups.DEFAULT_ROOT
+    #: Which slices this agent made (one empty file each), so it removes only its own.
+    slice_records: Path = cgroups.DEFAULT_RECORDS
     #: /metrics, /healthz, /readyz; port 0 picks a free one.
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400
@@ -191,6 +198,16 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
     except SigningError as e:
         raise AgentError(str(e)) from e
     kube, where = _credentials(config)
+    slices = cgroups.Cgroups(config.cgroup_root, records=config.slice_records)
+    limits_problem = await asyncio.to_thread(slices.enforcement_problem)
+    capabilities = config.capabilities
+    if limits_problem is not None:
+        capabilities = tuple(c for c in capabilities if c != LIMITS_CAPABILITY)
+        log.warning(
+            "host limits are not enforced, so %s is not advertised: %s",
+            LIMITS_CAPABILITY,
+            limits_problem,
+        )
     log.info(
         "node %s: %d GPUs; node key %s; Kubernetes API %s from %s",
         config.node_name,
@@ -228,6 +245,8 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             register_poll_seconds=config.register_poll_seconds,
             retry_on=(OSError, KubeError),
             certificate=current_certificate,
+            cgroups=None if limits_problem is not None else slices,
+            no_limits_reason=f"this node does not enforce host limits: {limits_problem}",
         )
         plugin.allocations.set_inventory(inventory)
         publisher = NodePublisher(
@@ -235,8 +254,9 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             node_name=config.node_name,
             registry=registry,
             labels=config.node_labels,
-            capabilities=config.capabilities,
+            capabilities=capabilities,
             heartbeat_s=config.heartbeat_s,
+            limits_problem=limits_problem,
         )
         tasks: list[asyncio.Task[None]] = []
         agent = Agent(
@@ -404,6 +424,22 @@ def run(
             "less).",
         ),
     ] = enrolling.LIFETIME.total_seconds() / 3600,
+    cgroup_root: Annotated[
+        Path,
+        typer.Option(
+            envvar="BCD_CGROUP_ROOT",
+            help="The host's cgroup v2 root (mounted read-write): each hold with host limits "
+            "gets its slice bcd-alloc-<id>.slice there. Without a writable cgroup v2 the node "
+            "does not advertise devices.limits.",
+        ),
+    ] = cgroups.DEFAULT_ROOT,
+    slice_records: Annotated[
+        Path,
+        typer.Option(
+            envvar="BCD_SLICE_RECORDS",
+            help="Where the agent records the slices it made, so it removes only its own.",
+        ),
+    ] = cgroups.DEFAULT_RECORDS,
     metrics_port: Annotated[
         int,
         typer.Option(envvar="BCD_METRICS_PORT", help="Port of /metrics, /healthz and /readyz."),
@@ -463,6 +499,7 @@ def run(
     better-compute-deviceplugin --node-name gpu-node-1 --inventory-file node.yaml
     --plugin-dir /tmp/plugins --pod-resources-socket /tmp/pod-resources.sock --cdi-dir /tmp/cdi
     --env-dir /tmp/env --node-key /tmp/node-key.pem --node-labels bcd.dev/pool=h100
+    --cgroup-root /tmp/cgroup --slice-records /tmp/slices
 
     Exit status: 0 after a clean stop; 1 when the agent cannot start or a part of it failed
     (the message says why); 2 for a missing node name or a bad flag.
@@ -486,6 +523,8 @@ def run(
         node_certificate=node_certificate,
         enrol=enrol,
         certificate_lifetime=dt.timedelta(hours=certificate_lifetime_hours),
+        cgroup_root=cgroup_root,
+        slice_records=slice_records,
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         node_labels=_labels(node_labels),

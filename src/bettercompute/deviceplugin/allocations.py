@@ -11,6 +11,11 @@ class: ``bcd.dev/gpu`` (id: the GPU UUID), ``bcd.dev/gpu.mig`` (the MIG UUID) an
 ``bcd.dev/gpu.slot`` (``<gpu uuid>::<k>``). Once a release starts the devices are gone from the
 next list at once, although the allocation still owns them until no pod holds them.
 
+Host admission (``host_shortfall``): the limits of every allocation that owns its devices
+(``hold`` and ``kubernetes`` alike, releasing ones included, since their workload may still run)
+plus a new one's must fit in the CPUs, memory and 1 GiB huge pages the inventory gives the node.
+A resource the inventory does not size is not checked: the control plane books none of it there.
+
 What it must never do: I/O of any kind (files, sockets, the kubelet). It is plain data plus an
 ``asyncio.Event`` per version, so every rule here is testable without a server.
 """
@@ -22,6 +27,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 
+from bettercompute.deviceplugin.cgroups import GIB
 from bettercompute.deviceplugin.devicefiles import Allocation
 from bettercompute.deviceplugin.inventory import Inventory
 from bettercompute.kube.names import RESOURCE_NAMES
@@ -130,6 +136,67 @@ class Allocations:
                     )
                 )
         return found
+
+    def host_shortfall(self, allocation: Allocation) -> str | None:
+        """Why ``allocation``'s limits do not fit beside the other allocations' on this
+        node's host, or None when they fit (or it has none)."""
+        limits = allocation.limits
+        if limits is None or self._inventory is None:
+            return None
+        others = [
+            held.allocation.limits
+            for held in self._held.values()
+            if held.phase in OWNING
+            and held.allocation.allocation_id != allocation.allocation_id
+            and held.allocation.limits is not None
+        ]
+        inventory = self._inventory
+        checks = (
+            ("CPU", "cpu_millis", None if inventory.vcpu is None else inventory.vcpu * 1000, "m"),
+            (
+                "memory",
+                "memory_bytes",
+                None if inventory.memory_gib is None else inventory.memory_gib * GIB,
+                " bytes",
+            ),
+            ("1 GiB huge pages", "hugepages_1gi", inventory.hugepages_1gi, ""),
+        )
+        short = []
+        for label, attr, capacity, unit in checks:
+            asked = getattr(limits, attr) or 0
+            if not asked or capacity is None:
+                continue
+            used = sum(getattr(other, attr) or 0 for other in others)
+            if used + asked > capacity:
+                free = max(0, capacity - used)
+                short.append(
+                    f"{label}: {asked}{unit} asked, {free}{unit} of {capacity}{unit} free "
+                    f"beside {len(others)} other allocation(s)"
+                )
+        return "; ".join(short) or None
+
+    def slice_owner(self, allocation: Allocation) -> str | None:
+        """Another owning allocation whose cgroup slice has ``allocation``'s name."""
+        name = allocation.cgroup_parent
+        if name is None:
+            return None
+        for held in self._held.values():
+            other = held.allocation
+            if (
+                held.phase in OWNING
+                and other.allocation_id != allocation.allocation_id
+                and other.cgroup_parent == name
+            ):
+                return other.allocation_id
+        return None
+
+    def slices_in_use(self) -> set[str]:
+        """The cgroup slices of allocations that own their devices."""
+        return {
+            held.allocation.cgroup_parent
+            for held in self._held.values()
+            if held.phase in OWNING and held.allocation.cgroup_parent is not None
+        }
 
     def advertised(self, resource: Resource) -> list[AdvertisedDevice]:
         """The complete device list of ``resource``, in a stable order."""

@@ -22,8 +22,18 @@ which pods still hold them: while any does, ``Releasing`` with the pods and ``si
 does, the files are removed and ``Released`` reported. A kubelet that does not answer keeps the
 allocation ``Releasing``, never free. A status is reported when it changes, not every pass.
 A new allocation whose device a releasing allocation still owns waits, unreported, until the
-pods let go; one whose device a bound allocation owns is ``Failed``. ``spec.limits`` is not
-acted on: a ``kubernetes`` binding's pods live in the kubelet's cgroups (the guide).
+pods let go; one whose device a bound allocation owns is ``Failed``.
+
+Host limits (``spec.limits``): a new allocation with limits is admitted against the node's
+CPUs, memory and 1 GiB huge pages beside every allocation that owns its devices
+(``Allocations.host_shortfall``); one that does not fit is ``Failed`` with the reason
+``resources-exhausted: …``, which makes the control plane place the reservation again. A
+``hold`` with limits then gets its cgroup slice (``cgroups``) before its files are written, and
+its ``Bound`` report names it (``cgroupParent``); on a node that cannot enforce limits (no
+``Cgroups``) such a hold is ``Failed`` rather than run unbounded. A ``kubernetes`` binding gets
+no slice (its pods live in the kubelet's cgroups, which enforce their limits), but its limits
+count in the admission. Every pass removes the slices of ours that no allocation owns any more,
+once no process is left in them.
 
 Restart safety: the CDI specs on disk describe their allocations (``devicefiles``), so a new
 process rebuilds its state from the desired list plus the files: a bound allocation is adopted
@@ -34,8 +44,9 @@ twice because ``Allocations`` refuses a second owner.
 Health: ``follow_inventory`` feeds ``inventory.watch`` into ``Allocations``, so a device whose
 GPU turns unhealthy is advertised ``Unhealthy`` and ``Healthy`` again when it recovers.
 
-What it must never do: talk to Kubernetes (only through the ports), write outside ``DeviceFiles``,
-free devices a pod may still hold, or report anything unsigned.
+What it must never do: talk to Kubernetes (only through the ports), write outside ``DeviceFiles``
+and ``Cgroups``, free devices a pod may still hold, run a hold with limits without its slice,
+remove a slice that is not its own or still has processes, or report anything unsigned.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from typing import Any, Protocol
 
 from bettercompute.deviceplugin import inventory, signing
 from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, inventory_problems
+from bettercompute.deviceplugin.cgroups import CgroupError, Cgroups
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.deviceplugin.podresources import KubeletUnreachable, PodHolders
 from bettercompute.kube import allocations as shapes
@@ -58,6 +70,8 @@ from bettercompute.kube.parsing import ShapeError
 log = logging.getLogger(__name__)
 
 PASS_SECONDS = 1.0  # how often a Releasing allocation asks the kubelet again
+#: How a refused allocation's reason starts when the host cannot give its limits.
+RESOURCES_EXHAUSTED = "resources-exhausted"
 
 
 class DesiredAllocations(Protocol):
@@ -101,6 +115,9 @@ class Pass:
     released: list[str] = dataclasses.field(default_factory=list)
     restored: list[str] = dataclasses.field(default_factory=list)
     removed: list[str] = dataclasses.field(default_factory=list)
+    #: cgroup slices removed, and those kept because a process is still in them.
+    slices_removed: list[str] = dataclasses.field(default_factory=list)
+    slices_kept: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +128,7 @@ class _Status:
     reservation_id: str
     cdi_devices: tuple[str, ...] = ()
     env_file: str | None = None
+    cgroup_parent: str | None = None
     reason: str = ""
     pods: tuple[str, ...] = ()
     since: int | None = None
@@ -134,8 +152,13 @@ class Converger:
         clock: Callable[[], int] = wall_clock_ms,
         pass_seconds: float = PASS_SECONDS,
         retry_on: tuple[type[Exception], ...] = (OSError,),
+        cgroups: Cgroups | None = None,
+        no_limits_reason: str = "this node does not enforce host limits",
     ) -> None:
         self.node_name = node_name
+        #: The node's cgroup slices; None where limits cannot be enforced (``no_limits_reason``).
+        self.cgroups = cgroups
+        self.no_limits_reason = no_limits_reason
         self.allocations = allocations
         self.files = files
         self.inventory_source = inventory_source
@@ -227,6 +250,7 @@ class Converger:
             await self._bind(allocation_id, spec, done)
         for allocation_id, released_spec in to_release.items():
             await self._release(allocation_id, released_spec, done)
+        await self._sweep_slices(done)
         # A desired allocation that stayed unbound (refused or waiting) is not "reported" any
         # more once it vanishes; forget its last status too.
         for allocation_id in list(self._reported):
@@ -267,6 +291,14 @@ class Converger:
         if problems and not already_written:
             await self._fail(allocation_id, allocation.reservation_id, "; ".join(problems), done)
             return
+        if allocation.cgroup_parent is not None and self.cgroups is None:
+            await self._fail(
+                allocation_id,
+                allocation.reservation_id,
+                f"spec.limits: {self.no_limits_reason}",
+                done,
+            )
+            return
         conflicts = self.allocations.conflicts(allocation)
         if conflicts:
             if all(c.owner_phase is Phase.RELEASING for c in conflicts):
@@ -283,7 +315,32 @@ class Converger:
                 allocation_id, allocation.reservation_id, f"devices already bound: {taken}", done
             )
             return
+        if not already_written:  # admitted before a restart: it keeps its place
+            shortfall = self.allocations.host_shortfall(allocation)
+            if shortfall is not None:
+                await self._fail(
+                    allocation_id,
+                    allocation.reservation_id,
+                    f"{RESOURCES_EXHAUSTED}: {shortfall}",
+                    done,
+                )
+                return
+        slice_owner = self.allocations.slice_owner(allocation)
+        if slice_owner is not None:
+            await self._fail(
+                allocation_id,
+                allocation.reservation_id,
+                f"its cgroup slice {allocation.cgroup_parent} is allocation {slice_owner}'s",
+                done,
+            )
+            return
         self.allocations.start_binding(allocation)
+        try:
+            await self._make_slice(allocation)
+        except CgroupError as e:
+            self.allocations.forget(allocation_id)
+            await self._fail(allocation_id, allocation.reservation_id, str(e), done)
+            return
         try:
             if not already_written:
                 await asyncio.to_thread(self.files.write, allocation)
@@ -304,8 +361,18 @@ class Converger:
         allocation_id = allocation.allocation_id
         held.allocation = allocation  # same devices; only e.g. the end may have moved
         if not await asyncio.to_thread(self.files.matches, allocation):
+            with contextlib.suppress(CgroupError):  # the files say the slice; try next pass
+                await self._make_slice(allocation)
             await asyncio.to_thread(self.files.write, allocation)
             done.restored.append(allocation_id)
+        elif (
+            allocation.cgroup_parent is not None
+            and self.cgroups is not None
+            and not await asyncio.to_thread(self.cgroups.exists, allocation.cgroup_parent)
+        ):
+            with contextlib.suppress(CgroupError):  # removed behind our back: make it again
+                await self._make_slice(allocation)
+                done.restored.append(allocation_id)
         if held.phase is not Phase.BOUND:
             held.releasing_since_ms = None
             held.pods = ()
@@ -319,7 +386,39 @@ class Converger:
             reservation_id=allocation.reservation_id,
             cdi_devices=tuple(allocation.cdi_devices),
             env_file=str(self.files.env_path(allocation.allocation_id)),
+            cgroup_parent=allocation.cgroup_parent,
         )
+
+    # --- cgroup slices ------------------------------------------------------------------
+
+    async def _make_slice(self, allocation: Allocation) -> None:
+        """The slice of a ``hold`` with limits, with its limits written; nothing for others."""
+        name = allocation.cgroup_parent
+        if name is None or allocation.limits is None:
+            return
+        if self.cgroups is None:
+            raise CgroupError(f"spec.limits: {self.no_limits_reason}")
+        await asyncio.to_thread(self.cgroups.create, name, allocation.limits)
+
+    async def _sweep_slices(self, done: Pass) -> None:
+        """Remove our slices that no allocation owns any more, once they are empty."""
+        if self.cgroups is None:
+            return
+        in_use = self.allocations.slices_in_use()
+        for name in sorted(await asyncio.to_thread(self.cgroups.ours) - in_use):
+            try:
+                gone = await asyncio.to_thread(self.cgroups.remove, name)
+            except (CgroupError, OSError) as e:
+                self._log_once(name, f"cannot remove cgroup slice {name}: {e}")
+                done.slices_kept.append(name)
+                continue
+            if gone:
+                done.slices_removed.append(name)
+                self._logged.pop(name, None)
+                log.info("removed cgroup slice %s", name)
+            else:
+                done.slices_kept.append(name)
+                self._log_once(name, f"cgroup slice {name} still has processes; kept for now")
 
     async def _fail(self, allocation_id: str, reservation_id: str, reason: str, done: Pass) -> None:
         self._log_once(allocation_id, f"{allocation_id}: cannot bind: {reason}")
@@ -424,6 +523,7 @@ class Converger:
             phase=status.phase,
             cdi_devices=status.cdi_devices,
             env_file=status.env_file,
+            cgroup_parent=status.cgroup_parent,
             pods=status.pods,
             since=status.since,
             reported_at=signing.rfc3339(now),
@@ -435,6 +535,7 @@ class Converger:
                 phase=status.phase,
                 cdiDevices=list(status.cdi_devices),
                 envFile=status.env_file,
+                cgroupParent=status.cgroup_parent,
                 reason=status.reason,
                 pods=list(status.pods),
                 since=status.since,

@@ -11,7 +11,10 @@ same agent with the two directories under its own root, ``<root>/cdi/`` and
 The CDI spec is self-describing: its annotations (``bcd.dev/allocation-id``, ``…/device-class``,
 ``…/binding``, …) carry everything needed to rebuild the allocation from disk after a restart, and
 a ``kubernetes`` binding's spec names the device-plugin resource that advertises it
-(``bcd.dev/device-plugin``). A spec being released carries ``bcd.dev/releasing-since``.
+(``bcd.dev/device-plugin``). A spec being released carries ``bcd.dev/releasing-since``. An
+allocation with host limits carries them (``bcd.dev/limits``, the spec's JSON), so they still
+count in the node's admission after a restart, and a ``hold`` with limits names its cgroup
+slice (``bcd.dev/cgroup-parent``, and ``BCD_CGROUP_PARENT`` in the env file; ``cgroups``).
 
 Device edits are environment variables only: the NVIDIA container runtime turns
 ``NVIDIA_VISIBLE_DEVICES`` into device nodes and driver mounts, and the node does not know the
@@ -28,6 +31,7 @@ and every file is written to a temporary name in the same directory, then rename
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -37,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+from bettercompute.core.ids import cgroup_slice
+from bettercompute.deviceplugin.cgroups import HostLimits
 from bettercompute.kube.allocations import AllocationSpec, Binding, DeviceClass
 from bettercompute.kube.names import CDI_KIND, RESOURCE_NAMES
 
@@ -55,6 +61,8 @@ ANNOTATION_UNTIL = "bcd.dev/until"
 ANNOTATION_PARENTS = "bcd.dev/parent-gpus"
 ANNOTATION_DEVICE_PLUGIN = "bcd.dev/device-plugin"
 ANNOTATION_RELEASING = "bcd.dev/releasing-since"
+ANNOTATION_LIMITS = "bcd.dev/limits"
+ANNOTATION_CGROUP_PARENT = "bcd.dev/cgroup-parent"
 
 #: The kubelet's limit on a device id (the device-plugin proto's comment).
 MAX_DEVICE_ID = 63
@@ -83,6 +91,7 @@ class Allocation:
     parent_gpus: tuple[str, ...]
     until_ms: int
     binding: str = "hold"
+    limits: HostLimits | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -101,6 +110,15 @@ class Allocation:
                 parent_gpus=tuple(spec.parentGpus),
                 until_ms=spec.until,
                 binding=spec.binding,
+                limits=None
+                if spec.limits is None
+                else HostLimits(
+                    cpu_millis=spec.limits.cpuMillis,
+                    memory_bytes=spec.limits.memoryBytes,
+                    hugepages_1gi=spec.limits.hugepages1Gi,
+                    cpus=spec.limits.cpus,
+                    mems=spec.limits.mems,
+                ),
             )
         except _FieldError as e:
             raise DeviceFileError(f"spec.{_SPEC_FIELDS[e.attr]}: {e.reason}") from None
@@ -108,6 +126,14 @@ class Allocation:
     @property
     def resource_name(self) -> str:
         return RESOURCE_NAMES[self.device_class]
+
+    @property
+    def cgroup_parent(self) -> str | None:
+        """The slice of a ``hold`` with limits; None for one without, and for a ``kubernetes``
+        binding (its pods live in the kubelet's cgroups, which enforce their limits)."""
+        if self.binding != "hold" or self.limits is None:
+            return None
+        return cgroup_slice(self.allocation_id)
 
     @property
     def visible_devices(self) -> list[str]:
@@ -147,6 +173,7 @@ _SPEC_FIELDS = {
     "parent_gpus": "parentGpus",
     "until_ms": "until",
     "binding": "binding",
+    "limits": "limits",
 }
 
 
@@ -190,6 +217,9 @@ def _check(allocation: Allocation) -> None:
     for attr in ("reservation_id", "tenant_id"):
         if not _SAFE_VALUE.fullmatch(getattr(allocation, attr)):
             raise _FieldError(attr, "cannot be written unquoted into an env file")
+    if allocation.limits is not None:
+        for field, reason in allocation.limits.problems():
+            raise _FieldError("limits", f"{field}: {reason}")
 
 
 class DeviceFiles:
@@ -287,6 +317,12 @@ def cdi_spec(allocation: Allocation, *, releasing_since_ms: int | None = None) -
         shared_env.insert(0, "NVIDIA_VISIBLE_DEVICES=" + ",".join(allocation.visible_devices))
     if releasing_since_ms is not None:
         annotations[ANNOTATION_RELEASING] = str(releasing_since_ms)
+    if allocation.limits is not None:
+        annotations[ANNOTATION_LIMITS] = json.dumps(
+            allocation.limits.document(), sort_keys=True, separators=(",", ":")
+        )
+    if allocation.cgroup_parent is not None:
+        annotations[ANNOTATION_CGROUP_PARENT] = allocation.cgroup_parent
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
@@ -322,6 +358,11 @@ def written_from_spec(spec: Any, *, allocation_id: str) -> Written | None:
             until_ms=int(annotations[ANNOTATION_UNTIL]),
             binding=str(annotations[ANNOTATION_BINDING]),
         )
+        limits = annotations.get(ANNOTATION_LIMITS)
+        if limits is not None:
+            allocation = dataclasses.replace(
+                allocation, limits=HostLimits.from_document(json.loads(limits))
+            )
         since = annotations.get(ANNOTATION_RELEASING)
         return Written(
             allocation=allocation, releasing_since_ms=None if since is None else int(since)
@@ -340,6 +381,8 @@ def env_text(allocation: Allocation) -> str:
         "BCD_UNTIL_MS": str(allocation.until_ms),
         "NVIDIA_VISIBLE_DEVICES": ",".join(allocation.visible_devices),
     }
+    if allocation.cgroup_parent is not None:
+        values["BCD_CGROUP_PARENT"] = allocation.cgroup_parent
     for key, value in values.items():
         if not _SAFE_VALUE.fullmatch(value):
             raise DeviceFileError(f"{key} value {value!r} cannot be written unquoted")

@@ -32,6 +32,7 @@ import yaml
 log = logging.getLogger(__name__)
 
 SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
+SYSFS_HUGEPAGES_1GI = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages")
 
 
 class InventoryError(Exception):
@@ -65,6 +66,8 @@ class Inventory:
     gpus: tuple[Gpu, ...]
     vcpu: int | None = None
     memory_gib: int | None = None
+    #: 1 GiB huge pages the host has reserved (``nr_hugepages`` of the 1 GiB size).
+    hugepages_1gi: int | None = None
     # Derived from ``gpus``, so neither compared nor hashed: domain id -> GPU UUIDs.
     nvlink_domains: Mapping[str, tuple[str, ...]] = dataclasses.field(
         init=False, compare=False, hash=False
@@ -141,6 +144,7 @@ class _InventoryFile(_FileModel):
     gpus: list[_GpuEntry]
     vcpu: int | None = pydantic.Field(default=None, gt=0)
     memoryGiB: int | None = pydantic.Field(default=None, gt=0)
+    hugepages1Gi: int | None = pydantic.Field(default=None, ge=0)
 
 
 def _location(loc: Iterable[int | str]) -> str:
@@ -230,6 +234,7 @@ class FileInventory:
             ),
             vcpu=document.vcpu,
             memory_gib=document.memoryGiB,
+            hugepages_1gi=document.hugepages1Gi,
         )
 
     def _format(self) -> str:
@@ -257,6 +262,8 @@ def inventory_document(inventory: Inventory) -> dict[str, Any]:
         document["vcpu"] = inventory.vcpu
     if inventory.memory_gib is not None:
         document["memoryGiB"] = inventory.memory_gib
+    if inventory.hugepages_1gi is not None:
+        document["hugepages1Gi"] = inventory.hugepages_1gi
     return document
 
 
@@ -300,6 +307,16 @@ def _host_memory_gib() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _host_hugepages_1gi() -> int | None:
+    """The 1 GiB huge pages the kernel holds; 0 when it has none of that size."""
+    try:
+        return int(SYSFS_HUGEPAGES_1GI.read_text().strip())
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError):
+        return None
 
 
 def bus_id(value: str | bytes) -> str:
@@ -395,6 +412,7 @@ class NvmlInventory:
             gpus=tuple(gpus),
             vcpu=os.cpu_count(),
             memory_gib=_host_memory_gib(),
+            hugepages_1gi=_host_hugepages_1gi(),
         )
 
     def _probe(self, nvml: Any, index: int) -> _Probe:

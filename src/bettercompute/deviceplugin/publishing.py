@@ -3,7 +3,9 @@
 Why it exists: the operator books only what a GPUNode's ``status`` says the node has
 (docs/kubernetes.md), so the node must create its GPUNode (cluster-scoped, named like the node)
 and keep its status true: the inventory with each GPU's health, NVLink domain, NUMA node and MIG
-instances, the agent's capabilities, a heartbeat and the ``Ready`` condition.
+instances, the agent's capabilities, a heartbeat, the ``Ready`` condition and the
+``HostLimitsEnforced`` condition: ``True`` when the node enforces host limits in cgroup v2 slices
+(and so advertises ``devices.limits``), else ``False`` with the reason in its message.
 
 - ``gpunode_status`` builds the status from an ``inventory.Inventory`` (a pure function).
 - ``NodePublisher.connect`` creates the object if it is missing (labels from ``--node-labels``,
@@ -46,8 +48,11 @@ from bettercompute.kube.names import API_VERSION
 log = logging.getLogger(__name__)
 
 #: What this agent does (docs/kubernetes.md): the operator turns each into a system label.
-CAPABILITIES = ("binding.kubernetes", "devices.limits")
+#: Advertised only by an agent that enforces host limits (``agent`` drops it otherwise).
+LIMITS_CAPABILITY = "devices.limits"
+CAPABILITIES = ("binding.kubernetes", LIMITS_CAPABILITY)
 HEARTBEAT_SECONDS = 30.0
+LIMITS_CONDITION = "HostLimitsEnforced"
 STOP_TIMEOUT_SECONDS = 2.0
 
 
@@ -65,6 +70,7 @@ def gpunode_status(
     reason: str = "AgentRunning",
     message: str = "",
     ready_since: str,
+    limits_problem: str | None = None,
 ) -> dict[str, Any]:
     """The GPUNode ``status`` for ``inventory``, in the shared ``kube.nodes`` shape."""
     domain_of = {
@@ -92,7 +98,11 @@ def gpunode_status(
                 for gpu in inventory.gpus
             ],
             numaNodes=[nodes.NumaNode(id=n) for n in numa] or None,
-            host=nodes.Host(vcpu=inventory.vcpu, memoryGiB=inventory.memory_gib)
+            host=nodes.Host(
+                vcpu=inventory.vcpu,
+                memoryGiB=inventory.memory_gib,
+                hugepages1Gi=inventory.hugepages_1gi,
+            )
             if has_host
             else None,
         ),
@@ -106,7 +116,14 @@ def gpunode_status(
                 reason=reason,
                 message=message,
                 lastTransitionTime=ready_since,
-            )
+            ),
+            nodes.Condition(
+                type=LIMITS_CONDITION,
+                status="True" if limits_problem is None else "False",
+                reason="CgroupV2" if limits_problem is None else "NotEnforced",
+                message=limits_problem or "each hold with limits runs in its own cgroup v2 slice",
+                lastTransitionTime=ready_since,
+            ),
         ],
     )
     return status.document()
@@ -137,8 +154,11 @@ class NodePublisher:
         heartbeat_s: float = HEARTBEAT_SECONDS,
         clock: Callable[[], float] = time.time,
         backoff: Backoff | None = None,
+        limits_problem: str | None = None,
     ) -> None:
         self.client = client
+        #: Why the node does not enforce host limits (None: it does).
+        self.limits_problem = limits_problem
         self.node_name = node_name
         self.labels = None if labels is None else dict(labels)
         self.capabilities = capabilities
@@ -240,6 +260,7 @@ class NodePublisher:
             capabilities=self.capabilities,
             heartbeat=now,
             ready_since=self._ready_since,
+            limits_problem=self.limits_problem,
         )
         if await self._write_status(status) is None:
             log.warning("GPUNode %s is gone; creating it again", self.node_name)
@@ -290,6 +311,7 @@ class NodePublisher:
             reason="AgentStopped",
             message="the device plugin stopped",
             ready_since=now,
+            limits_problem=self.limits_problem,
         )
         try:
             async with asyncio.timeout(timeout_s):

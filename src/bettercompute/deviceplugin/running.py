@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from bettercompute.deviceplugin import converging, inventory, serving, signing
 from bettercompute.deviceplugin.allocations import RESOURCES, Allocations
+from bettercompute.deviceplugin.cgroups import Cgroups
 from bettercompute.deviceplugin.converging import Converger, DesiredAllocations, StatusReporter
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.metrics import DevicePluginMetrics
@@ -56,6 +57,8 @@ class NodePlugin:
         register_poll_seconds: float = 0.1,
         retry_on: tuple[type[Exception], ...] = (OSError,),
         certificate: Callable[[], str | None] | None = None,
+        cgroups: Cgroups | None = None,
+        no_limits_reason: str = "this node does not enforce host limits",
     ) -> None:
         self.allocations = Allocations()
         self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
@@ -83,6 +86,8 @@ class NodePlugin:
             certificate=certificate,
             pass_seconds=pass_seconds,
             retry_on=retry_on,
+            cgroups=cgroups,
+            no_limits_reason=no_limits_reason,
         )
         self.inventory_interval_s = inventory_interval_s
         self._retryable: tuple[type[Exception], ...] = (*retry_on, inventory.InventoryError)

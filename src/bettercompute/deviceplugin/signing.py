@@ -17,7 +17,8 @@ The format (also in docs/node-reports.md):
 - **Payload** (the canonical bytes): a JSON object with exactly the keys ``purpose``
   (``"attested-report"``), ``nodeName``, ``allocationId``, ``reservationId``, ``phase``
   (``Bound`` | ``Failed`` | ``Releasing`` | ``Released``), ``cdiDevices`` (list of strings),
-  ``envFile`` (string, or null unless Bound), ``pods`` (list of ``namespace/name``, sorted),
+  ``envFile`` (string, or null unless Bound), ``cgroupParent`` (the cgroup slice of a bound
+  hold with limits, else null), ``pods`` (list of ``namespace/name``, sorted),
   ``since`` (epoch ms, or null unless Releasing) and ``reportedAt`` (RFC 3339 UTC with
   milliseconds, ``2026-12-02T14:00:00.000Z``); encoded with keys sorted, no whitespace
   (``","`` and ``":"`` separators), non-ASCII characters as UTF-8 rather than escapes.
@@ -27,7 +28,9 @@ The format (also in docs/node-reports.md):
 
 ``verify`` checks the algorithm, the key id against the key, the signature over the payload
 bytes exactly as received, that those bytes are canonical (so one report has one encoding) and
-that the object has exactly the fields above; any failure is ``SignatureError`` with the reason.
+that the object has exactly the fields above, or those of the previous format without
+``cgroupParent`` (an agent not yet upgraded signs them; read as null); any failure is
+``SignatureError`` with the reason.
 
 What it must never do: write the private key anywhere but its file, log it, or accept a report
 it cannot verify.
@@ -57,6 +60,7 @@ PHASES = attestation.PHASES
 REPORT_FIELDS = attestation.REPORT_FIELDS
 canonical_bytes = attestation.canonical_bytes
 key_id = attestation.key_id
+PREVIOUS_REPORT_FIELDS = attestation.PREVIOUS_REPORT_FIELDS
 
 
 class SigningError(Exception):
@@ -77,6 +81,7 @@ class Report:
     phase: str
     cdi_devices: tuple[str, ...] = ()
     env_file: str | None = None
+    cgroup_parent: str | None = None
     pods: tuple[str, ...] = ()
     since: int | None = None
     reported_at: str = ""
@@ -90,6 +95,7 @@ class Report:
             "phase": self.phase,
             "cdiDevices": list(self.cdi_devices),
             "envFile": self.env_file,
+            "cgroupParent": self.cgroup_parent,
             "pods": sorted(self.pods),
             "since": self.since,
             "reportedAt": self.reported_at,

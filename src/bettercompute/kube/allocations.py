@@ -43,6 +43,9 @@ class Limits(_Written):
     cpuMillis: int | None = Field(default=None, ge=0)
     memoryBytes: int | None = Field(default=None, ge=0)
     hugepages1Gi: int | None = Field(default=None, ge=0)
+    #: cpulists (``0-7,16``): the CPUs and the memory NUMA nodes the workload may use.
+    cpus: str | None = Field(default=None, max_length=32768)
+    mems: str | None = Field(default=None, max_length=32768)
 
 
 class AllocationSpec(_Written):
@@ -103,6 +106,8 @@ class AllocationStatus(_Read):
     phase: Phase | None = None
     cdiDevices: list[str] = Field(default_factory=list)
     envFile: str | None = None
+    #: A bound hold with limits: the cgroup slice the node made for it (``bcd-alloc-<id>.slice``).
+    cgroupParent: str | None = None
     reason: str | None = None
     pods: list[str] = Field(default_factory=list)
     since: int | None = None
@@ -194,6 +199,8 @@ def report(raw: object) -> tuple[str, dict[str, Any]] | None:
         details["cdiDevices"] = list(status.cdiDevices)
         if status.envFile:
             details["envFile"] = status.envFile
+        if status.cgroupParent:
+            details["cgroupParent"] = status.cgroupParent
     if kind == "failed":
         details["reason"] = status.reason or "the node did not say why"
     if kind == "releasing":

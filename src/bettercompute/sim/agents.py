@@ -17,6 +17,9 @@ the Kubernetes API:
   certifies the node's key from it and renews at two thirds of the lifetime, as a real node's
   enrolment does, so the control plane checks simulated reports exactly like real ones;
 - pod holders: none (no kubelet in dev), so a release completes at once;
+- host limits: a folder laid out like a cgroup v2 root (``cgroup/`` under the node's root, the
+  slices recorded in ``slices/``), so a simulated node enforces them as it advertises
+  (``devices.limits``) and a hold's slice and its limit files can be inspected;
 - wake-ups: ``Wakeups`` wakes the agents of a reservation's nodes when the store says it
   changed, as the operator's watch wakes a real node's agent.
 
@@ -36,6 +39,7 @@ from typing import Any, Protocol
 from bettercompute.core import attestation
 from bettercompute.core.errors import StoreError
 from bettercompute.deviceplugin.allocations import Allocations
+from bettercompute.deviceplugin.cgroups import Cgroups, lay_out_standin
 from bettercompute.deviceplugin.converging import Converger
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.inventory import (
@@ -251,8 +255,12 @@ def node_agent(
         root.mkdir(parents=True, exist_ok=True)
         inventory_file = write_inventory(node, root / "inventory.json")
         key = NodeKey.load_or_create(root / "node-key.pem")
+        cgroups = Cgroups(lay_out_standin(root / "cgroup"), records=root / "slices")
     except (OSError, SigningError) as e:
         raise NodeAgentError(f"simulated node {node.name}: {_said(e)}") from e
+    problem = cgroups.enforcement_problem()
+    if problem is not None:
+        raise NodeAgentError(f"simulated node {node.name}: {problem}")
     return Converger(
         node_name=node.id,
         allocations=Allocations(),
@@ -269,6 +277,7 @@ def node_agent(
         ),
         pass_seconds=pass_seconds,
         retry_on=retry_on,
+        cgroups=cgroups,
     )
 
 

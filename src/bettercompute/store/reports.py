@@ -15,6 +15,11 @@ the reason. A genuine but old signed report played again (its ``reportedAt`` bef
 one accepted, or that same one after the binding was lost) is rejected the same way. Node
 leases (binding ``node``) are exempt. Only bound reports are checked: failed,
 releasing and released reports cannot make anything count.
+
+A bound report's ``cgroupParent`` is kept only when it is exactly the slice the node makes for
+that allocation (``ids.cgroup_slice``) and the allocation is a ``hold``: a node cannot point a
+reservation at another allocation's slice, nor give a ``kubernetes`` binding (whose pods live in
+the kubelet's cgroups) a slice.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from bettercompute.core import attestation, errors
+from bettercompute.core import attestation, errors, ids
 from bettercompute.store import clock, journal, placing
 from bettercompute.store.database import Conn, Database, jsonb
 
@@ -97,7 +102,10 @@ async def report(
             details = {"cdiDevices": list(signed.cdi_devices), "attested": True}
             if signed.env_file:
                 details["envFile"] = signed.env_file
-        report_body = {**(alloc["report"] or {}), **dict(details), "kind": kind}
+            if signed.cgroup_parent:
+                details["cgroupParent"] = signed.cgroup_parent
+        details = _kept_details(details, allocation_id=allocation_id, binding=alloc["binding"])
+        report_body = {**(alloc["report"] or {}), **details, "kind": kind}
         if kind == "bound" and signed is None:
             report_body.pop("attested", None)
         if kind == "bound":
@@ -217,3 +225,14 @@ def _next_allocation_state(current: str, kind: str) -> str | None:
         ("releasing", "released"): "released",
     }
     return table.get((current, kind))
+
+
+def _kept_details(
+    details: Mapping[str, Any], *, allocation_id: str, binding: str | None
+) -> dict[str, Any]:
+    """``details`` without a ``cgroupParent`` that is not this hold allocation's own slice."""
+    kept = dict(details)
+    parent = kept.pop("cgroupParent", None)
+    if (binding or "hold") == "hold" and parent == ids.cgroup_slice(allocation_id):
+        kept["cgroupParent"] = parent
+    return kept
