@@ -687,6 +687,7 @@ BINDING_VIEWS: dict[str, tuple[list[Allocation], dict[str, Any]]] = {
             "nodeIds": ["n1", "n2"],
             "allocationIds": ["alloc_n1", "alloc_n2"],
             "cdiDevices": [],
+            "attested": False,
             "cgroupParent": "bcd-alloc-alloc_n1.slice",
             "cgroupParents": ["bcd-alloc-alloc_n1.slice", "bcd-alloc-alloc_n2.slice"],
         },
