@@ -144,43 +144,15 @@ class NodeKey:
         """The key in ``path``; a new one, stored there with mode 0600, if there is none."""
         if path.exists():
             return cls.load(path)
-        key = cls.generate()
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600
-                    f.write(key.private_pem())
-                    f.flush()
-                    os.fsync(f.fileno())
-                # link, not rename: if another agent stored its key first, keep that one.
-                with contextlib.suppress(FileExistsError):
-                    os.link(tmp, path)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-        except OSError as e:
-            raise SigningError(f"node key {path}: cannot store: {e.strerror or e}") from e
+        # link, not rename: if another agent stored its key first, keep that one.
+        _store_private(path, cls.generate(), keep_existing=True)
         return cls.load(path)
 
     @classmethod
     def replace(cls, path: Path) -> NodeKey:
         """A new key in place of the one in ``path`` (mode 0600, atomically): the old one's
         certificates were revoked, and a key that may have leaked is not enrolled again."""
-        key = cls.generate()
-        try:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600
-                    f.write(key.private_pem())
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-        except OSError as e:
-            raise SigningError(f"node key {path}: cannot store: {e.strerror or e}") from e
+        _store_private(path, cls.generate(), keep_existing=False)
         return cls.load(path)
 
     def private_pem(self) -> bytes:
@@ -210,6 +182,30 @@ class NodeKey:
             "payload": base64.b64encode(payload).decode("ascii"),
             "value": base64.b64encode(self._private_key.sign(payload)).decode("ascii"),
         }
+
+
+def _store_private(path: Path, key: NodeKey, *, keep_existing: bool) -> None:
+    """Write ``key`` to ``path`` with mode 0600, never half-written: through a temporary file in
+    the same directory, then hard-linked into place (``keep_existing``: a key another agent
+    stored first stays) or renamed over the old one."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600
+                f.write(key.private_pem())
+                f.flush()
+                os.fsync(f.fileno())
+            if keep_existing:
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, path)
+            else:
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    except OSError as e:
+        raise SigningError(f"node key {path}: cannot store: {e.strerror or e}") from e
 
 
 def verify(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey) -> dict[str, Any]:
