@@ -122,6 +122,15 @@ EXPECTED = [
     (
         "ClusterRole",
         DEVICE_PLUGIN,
+        "resource.k8s.io",
+        "resourceslices",
+        None,
+        "list",
+        "foreign: DRA GPU drivers",
+    ),
+    (
+        "ClusterRole",
+        DEVICE_PLUGIN,
         "certificates.k8s.io",
         "certificatesigningrequests",
         None,
@@ -147,9 +156,8 @@ NOT_EXERCISED = {
         ("signers", "sign"),
     },
     DEVICE_PLUGIN: {
-        # Without --node-labels a new GPUNode copies its Node's labels; with labels that
-        # differ from an existing GPUNode's, the agent merges them in.
-        ("nodes", "get"),
+        # With labels that differ from an existing GPUNode's, the agent merges them in. (It
+        # reads its Node on every status write, for foreign GPU resources.)
         ("gpunodes", "patch"),
     },
 }

@@ -46,6 +46,7 @@ from bettercompute import supervising
 from bettercompute.deviceplugin import cgroups, converging, enrolling, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.foreign import ForeignExposure
 from bettercompute.deviceplugin.inventory import (
     FileInventory,
     InventoryError,
@@ -257,6 +258,9 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             capabilities=capabilities,
             heartbeat_s=config.heartbeat_s,
             limits_problem=limits_problem,
+            foreign=ForeignExposure(
+                client=client, node_name=config.node_name, plugin_dir=config.plugin_dir
+            ),
         )
         tasks: list[asyncio.Task[None]] = []
         agent = Agent(

@@ -5,7 +5,9 @@ Why it exists: the operator books only what a GPUNode's ``status`` says the node
 and keep its status true: the inventory with each GPU's health, NVLink domain, NUMA node and MIG
 instances, the agent's capabilities, a heartbeat, the ``Ready`` condition and the
 ``HostLimitsEnforced`` condition: ``True`` when the node enforces host limits in cgroup v2 slices
-(and so advertises ``devices.limits``), else ``False`` with the reason in its message.
+(and so advertises ``devices.limits``), else ``False`` with the reason in its message, and the
+``ForeignGpuExposure`` condition: ``True`` while something besides bcd can hand the node's GPUs
+to pods (``foreign``, checked on each write), its message saying what.
 
 - ``gpunode_status`` builds the status from an ``inventory.Inventory`` (a pure function).
 - ``NodePublisher.connect`` creates the object if it is missing (labels from ``--node-labels``,
@@ -39,9 +41,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bettercompute.deviceplugin.allocations import Allocations
+from bettercompute.deviceplugin.foreign import ForeignExposure
 from bettercompute.deviceplugin.inventory import Inventory
 from bettercompute.deviceplugin.watching import Backoff
-from bettercompute.kube import nodes, resources
+from bettercompute.kube import names, nodes, resources
 from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.kube.names import API_VERSION
 
@@ -71,8 +74,10 @@ def gpunode_status(
     message: str = "",
     ready_since: str,
     limits_problem: str | None = None,
+    foreign_exposure: str | None = None,
 ) -> dict[str, Any]:
-    """The GPUNode ``status`` for ``inventory``, in the shared ``kube.nodes`` shape."""
+    """The GPUNode ``status`` for ``inventory``, in the shared ``kube.nodes`` shape;
+    ``foreign_exposure`` says what besides bcd hands the node's GPUs out (``None``: nothing)."""
     domain_of = {
         uuid: domain for domain, uuids in inventory.nvlink_domains.items() for uuid in uuids
     }
@@ -124,6 +129,13 @@ def gpunode_status(
                 message=limits_problem or "each hold with limits runs in its own cgroup v2 slice",
                 lastTransitionTime=ready_since,
             ),
+            nodes.Condition(
+                type=names.FOREIGN_GPU_EXPOSURE,
+                status="True" if foreign_exposure else "False",
+                reason="ForeignPath" if foreign_exposure else "OnlyBcd",
+                message=foreign_exposure or "only bcd hands this node's GPUs to pods",
+                lastTransitionTime=ready_since,
+            ),
         ],
     )
     return status.document()
@@ -155,8 +167,12 @@ class NodePublisher:
         clock: Callable[[], float] = time.time,
         backoff: Backoff | None = None,
         limits_problem: str | None = None,
+        foreign: ForeignExposure | None = None,
     ) -> None:
         self.client = client
+        #: Looks for other paths to the node's GPUs on each publish (None: not looked for).
+        self.foreign = foreign
+        self._foreign_exposure: str | None = None
         #: Why the node does not enforce host limits (None: it does).
         self.limits_problem = limits_problem
         self.node_name = node_name
@@ -255,12 +271,21 @@ class NodePublisher:
         now = rfc3339(self.clock())
         if self._ready_since is None:
             self._ready_since = now
+        if self.foreign is not None:
+            exposure = await self.foreign.check()
+            if exposure != self._foreign_exposure:
+                if exposure:
+                    log.warning("GPUNode %s: %s", self.node_name, exposure)
+                else:
+                    log.info("GPUNode %s: only bcd hands out its GPUs again", self.node_name)
+            self._foreign_exposure = exposure
         status = gpunode_status(
             inventory=inventory,
             capabilities=self.capabilities,
             heartbeat=now,
             ready_since=self._ready_since,
             limits_problem=self.limits_problem,
+            foreign_exposure=self._foreign_exposure,
         )
         if await self._write_status(status) is None:
             log.warning("GPUNode %s is gone; creating it again", self.node_name)
@@ -312,6 +337,7 @@ class NodePublisher:
             message="the device plugin stopped",
             ready_since=now,
             limits_problem=self.limits_problem,
+            foreign_exposure=self._foreign_exposure,
         )
         try:
             async with asyncio.timeout(timeout_s):
