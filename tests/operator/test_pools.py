@@ -272,6 +272,29 @@ async def test_a_node_that_is_not_ready_takes_no_new_work(world: World, db: Data
     await kube.wait_for(RESERVATIONS, "ml", "later", _state("placed"))
 
 
+async def test_a_node_reporting_foreign_gpu_exposure_is_marked_and_cleared(
+    world: World, db: Database
+):
+    kube, name = world.kube, world.nodes[0]
+    exposed = kubeworld.gpunode_status(name)
+    message = "another path hands this node's GPUs to pods: Node resources nvidia.com/gpu=8"
+    exposed["conditions"].append(
+        {
+            "type": "ForeignGpuExposure",
+            "status": "True",
+            "reason": "ForeignPath",
+            "message": message,
+        }
+    )
+    await kube.patch(GPUNODES, None, name, {"status": exposed}, status=True)
+    sql = "SELECT ready, foreign_exposure FROM nodes WHERE id = %s"
+    [node] = await _rows_until(db, sql, (name,), lambda rows: rows[0]["foreign_exposure"])
+    assert node == {"ready": True, "foreign_exposure": message}  # it still takes work
+
+    await kube.patch(GPUNODES, None, name, {"status": kubeworld.gpunode_status(name)}, status=True)
+    await _rows_until(db, sql, (name,), lambda rows: rows[0]["foreign_exposure"] is None)
+
+
 async def test_a_deleted_node_is_not_ready_in_the_store(world: World, db: Database):
     kube, name = world.kube, world.nodes[0]
     await kube.delete(GPUNODES, None, name)

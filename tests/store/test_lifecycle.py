@@ -17,6 +17,7 @@ import pytest
 
 from bettercompute.core.durations import to_ms
 from bettercompute.core.errors import ComputeError, ErrorCode
+from bettercompute.core.inventories import AtomSpec, NodeSpec
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired, inventory
@@ -502,6 +503,77 @@ async def test_unhealthy_atom_and_unreachable_node_only_raise_conditions(
     view = await get(service, rid)
     assert view["state"] == "active"
     assert view["conditions"] == []
+
+
+async def test_foreign_gpu_exposure_degrades_an_active_reservation_and_clears(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db)
+    rid = (await create(service, "exposed"))["id"]
+    await activate(service, db, rid)
+    [alloc] = await allocations(db, rid)
+    node = alloc["node_id"]
+
+    await set_foreign_exposure(db, node, "device plugin sockets nvidia-gpu.sock")
+    await run(db)
+    view = await get(service, rid)
+    assert view["state"] == "active"  # nothing is released
+    assert conditions(view) == [("Degraded", "ForeignGpuExposure")]
+    assert node in view["conditions"][0]["message"]
+    assert len(await bookings(db, rid)) == 4
+
+    # A lost binding is graver: it is the Degraded shown while both hold.
+    assert await report(service, alloc, "released")
+    await run(db)
+    assert conditions(await get(service, rid)) == [("Degraded", "BindingLost")]
+    assert await report(service, alloc, "bound", cdiDevices=cdi(alloc["device_ids"]))
+    await run(db)
+    assert conditions(await get(service, rid)) == [("Degraded", "ForeignGpuExposure")]
+
+    await set_foreign_exposure(db, node, None)
+    await run(db)
+    view = await get(service, rid)
+    assert view["state"] == "active"
+    assert view["conditions"] == []
+
+
+async def set_foreign_exposure(db: Database, node_id: str, exposure: str | None) -> None:
+    """What the operator writes from the GPUNode's ForeignGpuExposure condition: the node as
+    it is, with the condition's message."""
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT * FROM nodes WHERE id = %s", (node_id,))).fetchone()
+        atoms = await (
+            await conn.execute(
+                "SELECT * FROM atoms WHERE node_id = %s AND NOT retired ORDER BY device_id",
+                (node_id,),
+            )
+        ).fetchall()
+    assert row is not None
+    await inventory.upsert_node(
+        db,
+        NodeSpec(
+            id=row["id"],
+            name=row["name"],
+            pool_id=row["pool_id"],
+            atoms=[
+                AtomSpec(
+                    device_id=a["device_id"],
+                    kind=a["kind"],
+                    parent_gpu=a["parent_gpu"],
+                    profile=a["profile"],
+                    numa_node=a["numa_node"],
+                    nvlink_domain=a["nvlink_domain"],
+                    healthy=a["healthy"],
+                )
+                for a in atoms
+            ],
+            labels={k: (v["value"], v["source"]) for k, v in row["labels"].items()},
+            ready=row["ready"],
+            connected=row["connected"],
+            resources=row["resources"],
+            foreign_exposure=exposure,
+        ),
+    )
 
 
 # --- 9. the end -------------------------------------------------------------------------------

@@ -491,6 +491,32 @@ DECIDE: dict[str, Row] = {
             recheck_at=NOW + 15 * MINUTE,
         ),
     ),
+    "active, foreign exposure beats unhealthy: Degraded/ForeignGpuExposure naming the nodes": (
+        active(unhealthy_devices=["GPU-0"], foreign_exposed_nodes=["n1", "n2"]),
+        [bound("n1")],
+        NOW,
+        SetConditions(
+            conditions=[
+                cond(
+                    "Degraded",
+                    "ForeignGpuExposure",
+                    "something besides bcd can hand the GPUs of these nodes to pods: n1, n2",
+                )
+            ],
+            binding=view(bound("n1")),
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
+    "active, lost beats foreign exposure": (
+        active(foreign_exposed_nodes=["n1"]),
+        [alloc("n1", "lost")],
+        NOW,
+        SetConditions(
+            conditions=[cond("Degraded", "BindingLost", "nodes reported lost devices: n1")],
+            binding=active().binding,
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
     "active, a condition that still holds keeps its since and writes nothing": (
         active(
             conditions=[

@@ -173,6 +173,26 @@ def test_a_node_no_pool_takes_books_nothing_and_a_not_ready_node_takes_no_work()
     assert not node.ready
 
 
+@pytest.mark.parametrize(
+    ("condition", "expected"),
+    [
+        (None, None),
+        ({"status": "False", "reason": "OnlyBcd", "message": "only bcd"}, None),
+        (
+            {"status": "True", "reason": "ForeignPath", "message": "sockets nvidia.sock"},
+            "sockets nvidia.sock",
+        ),
+    ],
+)
+def test_a_gpunode_foreign_gpu_exposure_condition_reaches_the_node(condition, expected):
+    status = _gpunode_status()
+    if condition is not None:
+        status["conditions"].append({"type": "ForeignGpuExposure", **condition})
+    node = definitions.node_spec("n1", labels={}, status=status, pool=_pool())
+    assert node.foreign_exposure == expected
+    assert node.ready  # foreign exposure takes no work away and releases nothing
+
+
 def test_allocation_manifest_is_named_for_kubernetes_and_labelled_for_its_node():
     item = {
         "allocationId": "alloc_01ABC",

@@ -38,3 +38,6 @@ class NodeSpec:
     ready: bool = True
     connected: bool = True
     resources: Mapping[str, Any] = field(default_factory=dict)
+    #: What besides bcd can hand the node's GPUs to pods (its agent's ``ForeignGpuExposure``
+    #: condition); ``None`` while only bcd does.
+    foreign_exposure: str | None = None

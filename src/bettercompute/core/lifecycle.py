@@ -43,8 +43,8 @@ class Reservation:
     """The locked reservation row, and the facts its state needs, read in the same transaction.
 
     The store reads only what the state asks for: ``pool`` for a pending reservation,
-    ``booking_sound`` for a placed one, ``unhealthy_devices`` and ``unreachable_nodes`` for an
-    active one; the others keep their defaults.
+    ``booking_sound`` for a placed one, ``unhealthy_devices``, ``unreachable_nodes`` and
+    ``foreign_exposed_nodes`` for an active one; the others keep their defaults.
     """
 
     state: State
@@ -68,6 +68,8 @@ class Reservation:
     booking_sound: bool = True
     unhealthy_devices: Sequence[str] = ()
     unreachable_nodes: Sequence[str] = ()
+    #: Booked nodes whose agent reports ``ForeignGpuExposure`` (an active reservation's).
+    foreign_exposed_nodes: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -345,7 +347,8 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
     at = to_ms(now)
     kept = {c["type"]: c for c in r.conditions}
     wanted: list[Mapping[str, Any]] = []
-    # A lost binding says more than an unhealthy device: it is the one Degraded shows.
+    # One Degraded at a time, the gravest: a lost binding, then devices others can hand out,
+    # then an unhealthy device.
     if lost:
         wanted.append(
             _keep(
@@ -354,6 +357,19 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
                     Condition.DEGRADED,
                     Reason.BINDING_LOST,
                     f"nodes reported lost devices: {', '.join(lost)}",
+                    at_ms=at,
+                ),
+            )
+        )
+    elif r.foreign_exposed_nodes:
+        wanted.append(
+            _keep(
+                kept,
+                states.condition(
+                    Condition.DEGRADED,
+                    Reason.FOREIGN_GPU_EXPOSURE,
+                    "something besides bcd can hand the GPUs of these nodes to pods: "
+                    + ", ".join(r.foreign_exposed_nodes),
                     at_ms=at,
                 ),
             )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bettercompute.kube import parsing
+from bettercompute.kube import names, parsing
 
 
 class _Status(BaseModel):
@@ -77,6 +77,15 @@ class GpuNodeStatus(_Status):
     @property
     def ready(self) -> bool:
         return any(c.type == "Ready" and c.status == "True" for c in self.conditions)
+
+    @property
+    def foreign_exposure(self) -> str | None:
+        """What the agent says besides bcd hands the GPUs out (``ForeignGpuExposure``), or
+        ``None`` when it says nothing does."""
+        for c in self.conditions:
+            if c.type == names.FOREIGN_GPU_EXPOSURE and c.status == "True":
+                return c.message or "another path hands this node's GPUs to pods"
+        return None
 
     def document(self) -> dict[str, Any]:
         """The status as the node writes it, for a merge patch: every field, ``None`` included

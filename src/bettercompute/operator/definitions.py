@@ -162,6 +162,7 @@ def node_spec(
         labels=node_labels,
         ready=parsed.ready,
         connected=parsed.ready and _fresh(parsed, now_s=now_s),
+        foreign_exposure=parsed.foreign_exposure,
         resources={}
         if host is None
         else {k: v for k, v in host.model_dump().items() if v is not None},

@@ -170,11 +170,12 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
             await conn.execute("SELECT pool_id FROM nodes WHERE id = %s FOR UPDATE", (node.id,))
         ).fetchone()
         await conn.execute(
-            "INSERT INTO nodes (id, name, pool_id, labels, ready, connected, resources)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+            "INSERT INTO nodes (id, name, pool_id, labels, ready, connected, resources,"
+            " foreign_exposure) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
             " ON CONFLICT (id) DO UPDATE SET name = excluded.name, pool_id = excluded.pool_id,"
             " labels = excluded.labels, ready = excluded.ready, connected = excluded.connected,"
-            " resources = excluded.resources, updated_at = compute_now()",
+            " resources = excluded.resources, foreign_exposure = excluded.foreign_exposure,"
+            " updated_at = compute_now()",
             (
                 node.id,
                 node.name,
@@ -183,6 +184,7 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
                 node.ready,
                 node.connected,
                 jsonb(dict(node.resources)),
+                node.foreign_exposure,
             ),
         )
         await conn.execute(

@@ -112,12 +112,13 @@ async def _snapshot(conn: Conn, row: Row) -> lifecycle.Reservation:
     sound = True
     unhealthy: list[str] = []
     unreachable: list[str] = []
+    exposed: list[str] = []
     if state == State.PENDING:
         pool = await pool_rows.read_pool(conn, pool_id=row["pool_id"], tenant_id=row["tenant_id"])
     elif state == State.PLACED:
         sound = await _booking_is_sound(conn, row["id"])
     elif state == State.ACTIVE:
-        unhealthy, unreachable = await _health(conn, row["id"])
+        unhealthy, unreachable, exposed = await _health(conn, row["id"])
     return lifecycle.Reservation(
         state=state,
         tenant_id=row["tenant_id"],
@@ -137,6 +138,7 @@ async def _snapshot(conn: Conn, row: Row) -> lifecycle.Reservation:
         booking_sound=sound,
         unhealthy_devices=unhealthy,
         unreachable_nodes=unreachable,
+        foreign_exposed_nodes=exposed,
     )
 
 
@@ -153,20 +155,24 @@ async def _booking_is_sound(conn: Conn, reservation_id: str) -> bool:
     return bool(row and row["sound"] is not False)
 
 
-async def _health(conn: Conn, reservation_id: str) -> tuple[list[str], list[str]]:
-    """The booked devices that are unhealthy, and the booked nodes that are not connected."""
+async def _health(conn: Conn, reservation_id: str) -> tuple[list[str], list[str], list[str]]:
+    """The booked devices that are unhealthy, the booked nodes that are not connected, and those
+    where something besides bcd can hand the GPUs out."""
     health = await (
         await conn.execute(
             "SELECT array_agg(DISTINCT a.device_id ORDER BY a.device_id)"
             "         FILTER (WHERE NOT a.healthy) AS unhealthy,"
             "       array_agg(DISTINCT n.id ORDER BY n.id) FILTER (WHERE NOT n.connected)"
-            "         AS unreachable"
+            "         AS unreachable,"
+            "       array_agg(DISTINCT n.id ORDER BY n.id)"
+            "         FILTER (WHERE n.foreign_exposure IS NOT NULL) AS exposed"
             "  FROM bookings b JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id"
             " WHERE b.reservation_id = %s",
             (reservation_id,),
         )
     ).fetchone()
-    return (health or {}).get("unhealthy") or [], (health or {}).get("unreachable") or []
+    found = health or {}
+    return found.get("unhealthy") or [], found.get("unreachable") or [], found.get("exposed") or []
 
 
 async def _allocations(conn: Conn, reservation_id: str, state: State) -> list[lifecycle.Allocation]:
