@@ -92,9 +92,6 @@ class Allocation:
     until_ms: int
     binding: str = "hold"
     limits: HostLimits | None = None
-    #: The reservation's own extended resource (pod access ``reservation``); None: the class's
-    #: shared one.
-    own_resource: str | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -113,7 +110,6 @@ class Allocation:
                 parent_gpus=tuple(spec.parentGpus),
                 until_ms=spec.until,
                 binding=spec.binding,
-                own_resource=spec.resourceName,
                 limits=None
                 if spec.limits is None
                 else HostLimits(
@@ -129,9 +125,7 @@ class Allocation:
 
     @property
     def resource_name(self) -> str:
-        """What the kubelet knows these devices as: the reservation's own resource, or the
-        class's shared one."""
-        return self.own_resource or RESOURCE_NAMES[self.device_class]
+        return RESOURCE_NAMES[self.device_class]
 
     @property
     def cgroup_parent(self) -> str | None:
