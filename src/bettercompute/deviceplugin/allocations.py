@@ -6,10 +6,13 @@ allocation with its phase (binding → bound → releasing → released), the de
 ownership that keeps a device from being handed out twice, the inventory that says each device's
 health, NUMA node and NVLink domain, and a version counter that ListAndWatch streams wait on.
 
-Only a ``kubernetes`` binding's bound devices are advertised, each under the resource of its
-class: ``bcd.dev/gpu`` (id: the GPU UUID), ``bcd.dev/gpu.mig`` (the MIG UUID) and
-``bcd.dev/gpu.slot`` (``<gpu uuid>::<k>``). Once a release starts the devices are gone from the
-next list at once, although the allocation still owns them until no pod holds them.
+Only a ``kubernetes`` binding's bound devices are advertised: under the reservation's own
+resource (``spec.resourceName``, ``bcd.dev/rsv-…``, pod access ``reservation``), whose endpoint
+exists while any allocation of it owns its devices (``own_resources``), or else under the shared
+resource of its class: ``bcd.dev/gpu`` (id: the GPU UUID), ``bcd.dev/gpu.mig`` (the MIG UUID)
+and ``bcd.dev/gpu.slot`` (``<gpu uuid>::<k>``). A device is advertised, and handed out, under
+exactly one name. Once a release starts the devices are gone from the next list at once,
+although the allocation still owns them (and its own endpoint stays) until no pod holds them.
 
 Host admission (``host_shortfall``): the limits of every allocation that owns its devices
 (``hold`` and ``kubernetes`` alike, releasing ones included, since their workload may still run)
@@ -59,6 +62,18 @@ RESOURCES = (
     Resource(name=RESOURCE_NAMES["slot"], device_class="slot", socket_name="bcd-gpu-slot.sock"),
 )
 RESOURCE_BY_NAME = {resource.name: resource for resource in RESOURCES}
+#: The socket of a reservation's own resource: ``bcd-rsv-<the name's suffix>.sock``.
+OWN_SOCKET_PREFIX = "bcd-rsv-"
+
+
+def own_resource(name: str, device_class: str) -> Resource:
+    """The endpoint of a reservation's own resource (``bcd.dev/rsv-…``, pod access
+    ``reservation``): one socket per name, so every allocation of the reservation on this node
+    is advertised under it."""
+    suffix = name.rsplit("/", 1)[-1].removeprefix("rsv-")
+    return Resource(
+        name=name, device_class=device_class, socket_name=f"{OWN_SOCKET_PREFIX}{suffix}.sock"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +221,23 @@ class Allocations:
             if (
                 held.phase is Phase.BOUND
                 and allocation.binding == "kubernetes"
-                and allocation.device_class == resource.device_class
+                and allocation.resource_name == resource.name
             ):
                 devices.extend(_describe(allocation, self._inventory))
         return sorted(devices, key=lambda d: d.device_id)
+
+    def own_resources(self) -> list[Resource]:
+        """The reservations' own resources to serve: those of every ``kubernetes`` allocation
+        that still owns its devices. A releasing one keeps its endpoint while pods hold the
+        devices (it advertises nothing by then); it goes once the release is confirmed."""
+        found = {
+            held.allocation.own_resource: held.allocation.device_class
+            for held in self._held.values()
+            if held.phase in OWNING
+            and held.allocation.binding == "kubernetes"
+            and held.allocation.own_resource is not None
+        }
+        return [own_resource(name, found[name]) for name in sorted(found)]
 
     async def wait_changed(self, *, after: int) -> int:
         """Return the version once it is past ``after`` (at once if it already is)."""
@@ -343,4 +371,6 @@ def inventory_problems(*, inventory: Inventory, allocation: Allocation) -> list[
 
 
 def resource_of(allocation: Allocation) -> Resource:
+    if allocation.own_resource is not None:
+        return own_resource(allocation.own_resource, allocation.device_class)
     return RESOURCE_BY_NAME[RESOURCE_NAMES[allocation.device_class]]

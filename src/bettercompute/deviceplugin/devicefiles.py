@@ -92,6 +92,9 @@ class Allocation:
     until_ms: int
     binding: str = "hold"
     limits: HostLimits | None = None
+    #: The reservation's own extended resource (pod access ``reservation``); None: the class's
+    #: shared one.
+    own_resource: str | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -110,6 +113,7 @@ class Allocation:
                 parent_gpus=tuple(spec.parentGpus),
                 until_ms=spec.until,
                 binding=spec.binding,
+                own_resource=spec.resourceName,
                 limits=None
                 if spec.limits is None
                 else HostLimits(
@@ -125,7 +129,9 @@ class Allocation:
 
     @property
     def resource_name(self) -> str:
-        return RESOURCE_NAMES[self.device_class]
+        """What the kubelet knows these devices as: the reservation's own resource, or the
+        class's shared one."""
+        return self.own_resource or RESOURCE_NAMES[self.device_class]
 
     @property
     def cgroup_parent(self) -> str | None:

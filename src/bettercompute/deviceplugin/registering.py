@@ -20,14 +20,16 @@ poll, and the failure is logged once per distinct message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
 
 from bettercompute.deviceplugin import serving
+from bettercompute.deviceplugin.allocations import Resource
 from bettercompute.deviceplugin.serving import PluginServer
 from bettercompute.proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
@@ -87,8 +89,15 @@ class Registrar:
         servers: Sequence[PluginServer],
         plugin_dir: Path,
         poll_seconds: float = POLL_SECONDS,
+        own_resources: Callable[[], Sequence[Resource]] | None = None,
+        make_server: Callable[[Resource], PluginServer] | None = None,
     ) -> None:
         self.servers = list(servers)
+        #: The reservations' own resources to serve now, and how to make a server for one: each
+        #: gets its endpoint while it is wanted and loses it (socket removed) once it is not.
+        self.own_resources = own_resources
+        self.make_server = make_server
+        self._own: dict[str, PluginServer] = {}
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET_NAME
         self.poll_seconds = poll_seconds
         # Resource name -> the kubelet.sock identity it registered with.
@@ -109,6 +118,7 @@ class Registrar:
 
     async def step(self) -> None:
         """One poll: serve what is not served, register what is not registered."""
+        await self._follow_own_resources()
         for server in self.servers:
             if server.socket_gone():
                 if server.resource.name in self._registered:
@@ -136,3 +146,24 @@ class Registrar:
                 self._last_problem.pop(name, None)
                 self.registrations.append((name, kubelet))
                 log.info("%s: registered with the kubelet at %s", name, self.kubelet_socket)
+
+    async def _follow_own_resources(self) -> None:
+        """Add a server for each reservation's resource newly wanted; stop the ones no longer
+        wanted and remove their sockets, so the kubelet drops the resource."""
+        if self.own_resources is None or self.make_server is None:
+            return
+        wanted = {resource.name: resource for resource in self.own_resources()}
+        for name, resource in wanted.items():
+            if name not in self._own:
+                server = self.make_server(resource)
+                self._own[name] = server
+                self.servers.append(server)
+        for name in [n for n in self._own if n not in wanted]:
+            server = self._own.pop(name)
+            self.servers.remove(server)
+            await server.stop()
+            with contextlib.suppress(FileNotFoundError):
+                server.socket_path.unlink()
+            self._registered.pop(name, None)
+            self._last_problem.pop(name, None)
+            log.info("%s: released and no pod holds its devices: endpoint removed", name)

@@ -72,7 +72,16 @@ class NodePlugin:
             for resource in RESOURCES
         ]
         self.registrar = Registrar(
-            servers=self.servers, plugin_dir=plugin_dir, poll_seconds=register_poll_seconds
+            servers=self.servers,
+            plugin_dir=plugin_dir,
+            poll_seconds=register_poll_seconds,
+            own_resources=self.allocations.own_resources,
+            make_server=lambda resource: PluginServer(
+                resource=resource,
+                allocations=self.allocations,
+                plugin_dir=plugin_dir,
+                metrics=self.metrics,
+            ),
         )
         self.converger = Converger(
             node_name=node_name,

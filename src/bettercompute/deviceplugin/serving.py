@@ -103,7 +103,9 @@ def _bound_owners(
         if (
             held is None
             or held.allocation.binding != "kubernetes"
-            or held.allocation.device_class != resource.device_class
+            # Under this resource only: a reservation's devices only through its own
+            # endpoint, and never through a shared name or another reservation's.
+            or held.allocation.resource_name != resource.name
             or held.phase is Phase.BINDING  # its files may not be written yet
         ):
             unknown.append(device_id)
