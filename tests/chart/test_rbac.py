@@ -403,7 +403,9 @@ async def test_every_call_of_a_reservations_life_is_allowed(
                 port=config.webhook_port or 0,
                 resource=active["status"]["resourceName"],
             )
-            node.pod_resources.holding({"ml/trainer-0": {GPU: allocation["spec"]["deviceIds"]}})
+            # The pod holds them under the reservation's own resource (pod access 'reservation').
+            own = active["status"]["resourceName"]
+            node.pod_resources.holding({"ml/trainer-0": {own: allocation["spec"]["deviceIds"]}})
             await kube_api.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
             await kube_api.wait_for(RESERVATIONS, "ml", "train", _held_by(["ml/trainer-0"]))
             node.pod_resources.holding({})

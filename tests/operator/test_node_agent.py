@@ -104,12 +104,14 @@ async def test_a_kubernetes_reservation_reaches_the_kubelet_and_is_released_afte
     assert reported == [f"bcd.dev/gpu={d}" for d in devices]
     assert sorted(active["status"]["binding"]["cdiDevices"]) == sorted(reported)
     assert active["status"]["binding"]["nodeId"] == NODE
-    await node.stream(GPU).wait_devices({d: "Healthy" for d in devices})
-    response = await node.stream(GPU).allocate(devices)
+    own = active["status"]["resourceName"]
+    await node.kubelet.wait_registered([own], within=3.0)
+    await node.stream(own).wait_devices({d: "Healthy" for d in devices})
+    response = await node.stream(own).allocate(devices)
     assert response.envs["BCD_RESERVATION_ID"] == rid
 
     # Released while a pod holds a device: DevicesHeld names it; nothing is advertised.
-    node.pod_resources.holding({"ml/trainer-0": {GPU: devices[:1]}})
+    node.pod_resources.holding({"ml/trainer-0": {own: devices[:1]}})
     await kube_api.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
     held = await kube_api.wait_for(
         RESERVATIONS,
@@ -118,7 +120,7 @@ async def test_a_kubernetes_reservation_reaches_the_kubelet_and_is_released_afte
         lambda o: (_conditions(o).get("DevicesHeld") or {}).get("pods") == ["ml/trainer-0"],
     )
     assert _conditions(held)["DevicesHeld"]["reason"] == "PodsHoldDevices"
-    await node.stream(GPU).wait_devices({})
+    await node.stream(own).wait_devices({})
     assert (node.root / "cdi" / f"bcd-{allocation['spec']['allocationId']}.json").is_file()
 
     # The pod is gone: the devices are free, DevicesHeld goes, the DeviceAllocation is deleted.
@@ -128,4 +130,4 @@ async def test_a_kubernetes_reservation_reaches_the_kubelet_and_is_released_afte
     )
     await kube_api.wait_for(DEVICEALLOCATIONS, NS, name, lambda o: o is None)
     assert node.files_on_disk() == ["key/node-key.pem"]
-    assert node.stream(GPU).latest() == {}
+    assert node.stream(own).latest() == {}
