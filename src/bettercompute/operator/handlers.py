@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from bettercompute.core.errors import ComputeError
+from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import definitions, podaccess, webhooks
@@ -213,13 +214,7 @@ def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
             await runtime.clusters.node_gone(name)
         else:
             pools = {n: _first(pool_specs, n) for n in pool_specs}
-            await _apply_node(
-                runtime,
-                name,
-                body.get("metadata", {}).get("labels") or {},
-                body.get("status") or {},
-                pools,
-            )
+            await _apply_node(runtime, name, kwargs["node_bodies"], pools, fallback=body)
         after = runtime.applied_nodes.get(name)
         old_pool = before.pool_id if before is not None else None
         new_pool = after.pool_id if after is not None else None
@@ -232,8 +227,7 @@ def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
     async def node_heartbeat_checked(name: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
         # An agent that died without a word sends no more events: re-judge its heartbeat.
         pools = {n: _first(kwargs["pool_specs"], n) for n in kwargs["pool_specs"]}
-        labels = body.get("metadata", {}).get("labels") or {}
-        await _apply_node(_runtime(memo), name, labels, body.get("status") or {}, pools)
+        await _apply_node(_runtime(memo), name, kwargs["node_bodies"], pools, fallback=body)
 
     # --- node certificates ---------------------------------------------------------------------
 
@@ -311,28 +305,62 @@ async def _apply_nodes(
         else:
             pools[name] = spec
     for node in list(node_bodies):  # the index changes while we await
-        seen = _first(node_bodies, node) or {}
-        await _apply_node(runtime, node, seen.get("labels") or {}, seen.get("status") or {}, pools)
+        await _apply_node(runtime, node, node_bodies, pools)
 
 
 async def _apply_node(
     runtime: Runtime,
     name: str,
+    node_bodies: kopf.Index[str, Any],
+    pools: Mapping[str, Any],
+    *,
+    fallback: Mapping[str, Any] | None = None,
+) -> None:
+    """Write one GPUNode's atoms for the pool that takes it.
+
+    Three paths write a node (its events, its heartbeat timer, a pool's change), each awaiting
+    the database: one at a time per node, each with the node as the index has it *after* its
+    own awaits, so a path that read an older status can never write it over a newer one (a
+    node left "not ready" after it became ready). ``fallback`` (the event's body) serves only
+    until the index has the node.
+    """
+    async with runtime.node_lock(name):
+        if _first(node_bodies, name) is None and fallback is None:
+            return  # deleted meanwhile
+        labels, _ = _node_seen(node_bodies, name, fallback)
+        pool_name = definitions.pool_for(labels, {n: s for n, s in pools.items() if s})
+        pool = None
+        if pool_name is not None:
+            # An invalid pool takes no nodes; its own status says why.
+            with contextlib.suppress(ComputeError):
+                pool = definitions.pool_definition(pool_name, pools[pool_name])
+        if pool is not None and pool.pool_id not in runtime.applied_pools:
+            # The GPUNode's event may come before the GPUPool's handler wrote the pool.
+            await runtime.clusters.apply_pool(pool)
+            runtime.applied_pools.add(pool.pool_id)
+        labels, status = _node_seen(node_bodies, name, fallback)
+        if definitions.pool_for(labels, {n: s for n, s in pools.items() if s}) != pool_name:
+            return  # relabelled meanwhile: the event that says so applies it
+        await _write_node(runtime, name, labels, status, pool)
+
+
+def _node_seen(
+    node_bodies: kopf.Index[str, Any], name: str, fallback: Mapping[str, Any] | None
+) -> tuple[Mapping[str, str], Mapping[str, Any]]:
+    seen = _first(node_bodies, name)
+    if seen is not None:
+        return seen.get("labels") or {}, seen.get("status") or {}
+    body = fallback or {}
+    return (body.get("metadata") or {}).get("labels") or {}, body.get("status") or {}
+
+
+async def _write_node(
+    runtime: Runtime,
+    name: str,
     labels: Mapping[str, str],
     status: Mapping[str, Any],
-    pools: Mapping[str, Any],
+    pool: PoolDefinition | None,
 ) -> None:
-    """Write one GPUNode's atoms for the pool that takes it."""
-    pool_name = definitions.pool_for(labels, {n: s for n, s in pools.items() if s})
-    pool = None
-    if pool_name is not None:
-        # An invalid pool takes no nodes; its own status says why.
-        with contextlib.suppress(ComputeError):
-            pool = definitions.pool_definition(pool_name, pools[pool_name])
-    if pool is not None and pool.pool_id not in runtime.applied_pools:
-        # The GPUNode's event may come before the GPUPool's handler wrote the pool.
-        await runtime.clusters.apply_pool(pool)
-        runtime.applied_pools.add(pool.pool_id)
     try:
         spec = definitions.node_spec(
             name, labels=labels, status=status, pool=pool, now_s=time.time()

@@ -9,6 +9,7 @@ Data only: built and started by ``running``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,3 +47,8 @@ class Runtime:
     applied_nodes: dict[str, NodeSpec] = field(default_factory=dict)
     #: Pools written since start, so a node is never written before its pool.
     applied_pools: set[str] = field(default_factory=set)
+    _node_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def node_lock(self, name: str) -> asyncio.Lock:
+        """Serialises the writes of one GPUNode (see ``handlers._apply_node``)."""
+        return self._node_locks.setdefault(name, asyncio.Lock())

@@ -220,6 +220,11 @@ class Database:
                     if cut:
                         # Closed here, the pool discards it and opens a fresh one.
                         await conn.close()
+        except psycopg_pool.PoolTimeout as e:
+            # No connection could be had in time: to the caller, the same bound ran out.
+            raise StoreError(
+                f"the database did not answer within {limit:g} s (no connection could be had)"
+            ) from e
         except _UNAVAILABLE as e:
             if cut:
                 raise StoreError(f"the database did not answer within {limit:g} s") from e
