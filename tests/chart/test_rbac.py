@@ -34,7 +34,7 @@ from tests.chart import authorizing, rendering
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, Node
 from tests.support import kubeworld
-from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS, Ref
+from tests.support.kubeobjects import DEVICEALLOCATIONS, EVENTS, GPUPOOLS, RESERVATIONS, Ref
 from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
@@ -119,6 +119,7 @@ EXPECTED = [
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "", "nodes", None, "get", "publishing: Node labels"),
+    ("ClusterRole", DEVICE_PLUGIN, "", "events", None, "create", "converging: intruder pods"),
     (
         "ClusterRole",
         DEVICE_PLUGIN,
@@ -395,7 +396,9 @@ async def test_every_call_of_a_reservations_life_is_allowed(
                 ),
             )
             await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
-            active = await kube_api.wait_for(RESERVATIONS, "ml", "train", _state("active"))
+            active = await kube_api.wait_for(
+                RESERVATIONS, "ml", "train", _state("active"), timeout=15
+            )
             allocation = await _allocation_of(kube_api, active["status"]["id"])
             await _pod_admitted(
                 kube_api,
@@ -406,6 +409,7 @@ async def test_every_call_of_a_reservations_life_is_allowed(
             # The pod holds them under the reservation's own resource (pod access 'reservation').
             own = active["status"]["resourceName"]
             node.pod_resources.holding({"ml/trainer-0": {own: allocation["spec"]["deviceIds"]}})
+            await _an_intruder_is_caught(kube_api, node, own, allocation["spec"]["deviceIds"])
             await kube_api.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
             await kube_api.wait_for(RESERVATIONS, "ml", "train", _held_by(["ml/trainer-0"]))
             node.pod_resources.holding({})
@@ -447,6 +451,44 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         "GET", "/apis/bcd.dev/v1alpha1/namespaces/ml/deviceallocations", {"watch": "true"}
     )
     assert not plugin.allows(elsewhere)
+
+
+async def _an_intruder_is_caught(
+    kube: KubeApi, node: Node, resource: str, device_ids: list[str]
+) -> None:
+    """A pod of another namespace found holding the devices (as if the webhooks had been
+    bypassed): a Warning Event on it from the device plugin, and the Reservation Degraded
+    until it lets go."""
+    await kube.create(kubeworld.namespace("other", tenant=None))
+    node.pod_resources.holding(
+        {"ml/trainer-0": {resource: device_ids[:1]}, "other/thief": {resource: device_ids[1:]}}
+    )
+    degraded = await kube.wait_for(
+        RESERVATIONS, "ml", "train", _degraded("PodOutsideNamespace"), timeout=15
+    )
+    assert degraded is not None
+    assert degraded["status"]["binding"]["pods"] == ["ml/trainer-0", "other/thief"]
+    (event,) = await kube.list(EVENTS, "other")
+    assert (event["type"], event["involvedObject"]) == (
+        "Warning",
+        {"apiVersion": "v1", "kind": "Pod", "name": "thief", "namespace": "other"},
+    )
+    assert event["reason"] == "ReservationDevicesOfAnotherNamespace"
+    assert event["reportingComponent"] == "bcd.dev/device-plugin"
+    node.pod_resources.holding({"ml/trainer-0": {resource: device_ids}})
+    await kube.wait_for(RESERVATIONS, "ml", "train", _degraded(None), timeout=15)
+
+
+def _degraded(reason: str | None):
+    def check(o: Any) -> bool:
+        found = [
+            c.get("reason")
+            for c in ((o or {}).get("status") or {}).get("conditions") or ()
+            if c["type"] == "Degraded"
+        ]
+        return found == ([reason] if reason else [])
+
+    return check
 
 
 async def _pod_admitted(
@@ -601,6 +643,9 @@ def test_the_policy_is_bound_and_matches_the_plugins_writes(defaults: rendering.
     # A CSR is the one write the policy leaves alone: CEL cannot read its PEM request, and the
     # operator signs it only for the token's own node (tests/operator/test_node_certificates.py).
     writes.discard("certificatesigningrequests")
+    # An Event is only the device plugin's word about a pod (reportingComponent
+    # bcd.dev/device-plugin); it changes nothing, and CEL cannot tell which node a pod is on.
+    writes.discard("events")
     assert writes <= set(rule["resources"]), writes
     assert json.dumps(policy).count(f"serviceaccount:{rendering.NAMESPACE}:{DEVICE_PLUGIN}") == 1
 

@@ -149,6 +149,16 @@ class MemoryReporter:
         return last
 
 
+class MemoryWarnings:
+    """The pod-warnings port, in memory: every (pod, reason, message) the agent raised."""
+
+    def __init__(self) -> None:
+        self.raised: list[tuple[str, str, str]] = []
+
+    async def warn(self, *, pod: str, reason: str, message: str) -> None:
+        self.raised.append((pod, reason, message))
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A folder under /tmp with a short name: unix socket paths must stay under ~100 bytes."""
@@ -171,6 +181,7 @@ class Node:
     inventory_file: Path
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     plugin: NodePlugin | None = None
+    warnings: MemoryWarnings = field(default_factory=MemoryWarnings)
 
     @property
     def plugin_dir(self) -> Path:
@@ -190,7 +201,7 @@ class Node:
         cgroups = Cgroups(self.cgroup_root, records=self.slice_records)
         return cgroups if cgroups.enforcement_problem() is None else None
 
-    def make_plugin(self) -> NodePlugin:
+    def make_plugin(self, *, pass_seconds: float = 0.05) -> NodePlugin:
         self.registry = CollectorRegistry()  # a fresh one: a second plugin registers anew
         return NodePlugin(
             node_name=NODE,
@@ -202,10 +213,11 @@ class Node:
             registry=self.registry,
             plugin_dir=self.plugin_dir,
             pods=PodResourcesClient(socket_path=self.pod_resources.socket, timeout_s=1.0),
-            pass_seconds=0.05,
+            pass_seconds=pass_seconds,
             inventory_interval_s=0.02,
             register_poll_seconds=0.05,
             cgroups=self.cgroups(),
+            warnings=self.warnings,
         )
 
     def put(self, spec: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ async def test_binding_writes_valid_files_and_reports_bound_signed(running_node:
         "envFile": str(env_file),
         "cgroupParent": None,  # a kubernetes binding gets no slice
         "pods": [],
+        "intruders": [],
         "since": None,
         "reportedAt": status["reportedAt"],
     }

@@ -66,7 +66,7 @@ def test_canonical_bytes_are_sorted_compact_utf8() -> None:
         signing.canonical_bytes(document)
         == (
             '{"allocationId":"alloc_01k","cdiDevices":[],"cgroupParent":null,"envFile":null,'
-            '"nodeName":"nœud-1",'
+            '"intruders":[],"nodeName":"nœud-1",'
             '"phase":"Releasing","pods":["ml/trainer-0","ml/trainer-1"],'
             '"purpose":"attested-report","reportedAt":"2026-12-02T14:00:00.000Z",'
             '"reservationId":"rsv_1","since":1790001000000}'
@@ -169,14 +169,22 @@ def test_a_bound_hold_signs_its_cgroup_slice() -> None:
         signing.verify(signature=forged, public_key=key.public_key)
 
 
-def test_a_report_in_the_previous_format_still_verifies_with_no_slice() -> None:
-    """An agent not yet upgraded signs the fields without ``cgroupParent``."""
+def test_a_report_in_the_previous_formats_still_verifies_with_no_slice_nor_intruders() -> None:
+    """Agents not yet upgraded sign the fields without ``intruders``, or without
+    ``cgroupParent`` either (the one before); each reads as none."""
     key = NodeKey.generate()
-    previous = {k: v for k, v in REPORT.document().items() if k != "cgroupParent"}
-    block = _signed_bytes(key, signing.canonical_bytes(previous))
-    assert signing.verify(signature=block, public_key=key.public_key) == REPORT.document()
-    # Any other field set is still refused.
-    for extra in ({**previous, "cgroupPath": "/x"}, {**REPORT.document(), "more": 1}):
+    for left_out in ({"intruders"}, {"intruders", "cgroupParent"}):
+        previous = {k: v for k, v in REPORT.document().items() if k not in left_out}
+        block = _signed_bytes(key, signing.canonical_bytes(previous))
+        assert signing.verify(signature=block, public_key=key.public_key) == REPORT.document()
+    # Any other field set is still refused: without cgroupParent but with intruders is no
+    # format any agent signed.
+    without_slice = {k: v for k, v in REPORT.document().items() if k != "cgroupParent"}
+    for extra in (
+        without_slice,
+        {**previous, "cgroupPath": "/x"},
+        {**REPORT.document(), "more": 1},
+    ):
         block = _signed_bytes(key, signing.canonical_bytes(extra))
         with pytest.raises(SignatureError, match="must be an object with"):
             signing.verify(signature=block, public_key=key.public_key)

@@ -1247,3 +1247,54 @@ async def test_node_lease_books_whole_nodes_and_gets_no_second_placement(
     assert failed["state"] == "failed"
     assert condition(failed, "BindTimeout")["reason"] == "NodeDidNotBind"
     assert await quota_used(db) == 0
+
+
+async def test_pods_of_another_namespace_degrade_an_active_kubernetes_reservation(
+    db: Database, service: ReservationService
+) -> None:
+    """The node's bound report names the pods holding the devices and the intruders among them
+    (pods outside the Reservation's namespace): shown in ``binding.pods`` and as
+    ``Degraded/PodOutsideNamespace`` until a report without them; nothing is released."""
+    await k8s_world(db, source="system")
+    rid = (await create(service, "k8s", binding="kubernetes"))["id"]
+    await activate(service, db, rid)
+    [alloc] = await allocations(db, rid)
+    devices = cdi(alloc["device_ids"])
+
+    pods = ["ml/trainer-0", "other/thief"]
+    assert await report(service, alloc, "bound", cdiDevices=devices, pods=pods)
+    await run(db)
+    view = await get(service, rid)
+    assert view["binding"]["pods"] == pods
+    assert conditions(view) == []
+
+    assert await report(
+        service, alloc, "bound", cdiDevices=devices, pods=pods, intruders=["other/thief"]
+    )
+    await run(db)
+    view = await get(service, rid)
+    assert view["state"] == "active"
+    assert conditions(view) == [("Degraded", "PodOutsideNamespace")]
+    assert f"{alloc['node_id']}: other/thief" in view["conditions"][0]["message"]
+    assert len(await bookings(db, rid)) == 4
+
+    assert await report(service, alloc, "bound", cdiDevices=devices, pods=["ml/trainer-0"])
+    await run(db)
+    view = await get(service, rid)
+    assert conditions(view) == []
+    assert view["binding"]["pods"] == ["ml/trainer-0"]
+
+
+async def test_a_hold_cannot_be_said_to_have_intruders(
+    db: Database, service: ReservationService
+) -> None:
+    """Only the kubelet's pods hold devices: ``intruders`` on a hold's report is dropped."""
+    await world(db)
+    rid = (await create(service, "hold"))["id"]
+    await activate(service, db, rid)
+    [alloc] = await allocations(db, rid)
+    assert await report(
+        service, alloc, "bound", cdiDevices=cdi(alloc["device_ids"]), intruders=["x/y"]
+    )
+    await run(db)
+    assert conditions(await get(service, rid)) == []

@@ -96,7 +96,13 @@ def binding(**kw: Any) -> Reservation:
 
 
 def active(**kw: Any) -> Reservation:
-    fields: dict[str, Any] = {"state": State.ACTIVE, "bind_deadline": None, **kw}
+    # Bound on n1, as activation stored it: a recheck that changes nothing writes nothing.
+    fields: dict[str, Any] = {
+        "state": State.ACTIVE,
+        "bind_deadline": None,
+        "binding": lifecycle.binding_view([bound("n1")]),
+        **kw,
+    }
     return binding(**fields)
 
 
@@ -504,6 +510,62 @@ DECIDE: dict[str, Row] = {
                 )
             ],
             binding=view(bound("n1")),
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
+    "active, pods of another namespace: Degraded/PodOutsideNamespace naming node and pod": (
+        active(unhealthy_devices=["GPU-0"]),
+        [
+            alloc("n1", "bound", cdiDevices=[], pods=["ml/a", "x/b"], intruders=["x/b"]),
+            alloc("n2", "bound", cdiDevices=[], pods=["y/c"], intruders=["y/c"]),
+        ],
+        NOW,
+        SetConditions(
+            conditions=[
+                cond(
+                    "Degraded",
+                    "PodOutsideNamespace",
+                    "pods outside the Reservation's namespace hold its devices: n1: x/b, n2: y/c",
+                )
+            ],
+            binding=view(
+                alloc("n1", "bound", cdiDevices=[], pods=["ml/a", "x/b"]),
+                alloc("n2", "bound", cdiDevices=[], pods=["y/c"]),
+            ),
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
+    "active, the node re-reports who holds the devices: the binding moves alone": (
+        active(),
+        [
+            alloc(
+                "n1",
+                "bound",
+                cdiDevices=["bcd.dev/gpu=n1-0"],
+                envFile="/run/bcd/allocations/alloc_n1.env",
+                pods=["ml/a"],
+            )
+        ],
+        NOW,
+        SetConditions(
+            conditions=[],
+            binding={**lifecycle.binding_view([bound("n1")]), "pods": ["ml/a"]},
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
+    "active, foreign exposure beats pods of another namespace": (
+        active(foreign_exposed_nodes=["n1"]),
+        [alloc("n1", "bound", cdiDevices=[], pods=["x/b"], intruders=["x/b"])],
+        NOW,
+        SetConditions(
+            conditions=[
+                cond(
+                    "Degraded",
+                    "ForeignGpuExposure",
+                    "something besides bcd can hand the GPUs of these nodes to pods: n1",
+                )
+            ],
+            binding=view(alloc("n1", "bound", cdiDevices=[], pods=["x/b"])),
             recheck_at=NOW + 15 * MINUTE,
         ),
     ),

@@ -54,13 +54,17 @@ REPORT_FIELDS = frozenset(
         "envFile",
         "cgroupParent",
         "pods",
+        "intruders",
         "since",
         "reportedAt",
     }
 )
-#: What an agent from before ``cgroupParent`` signs; still verified during a rolling upgrade
-#: (its ``cgroupParent`` reads as null).
-PREVIOUS_REPORT_FIELDS = REPORT_FIELDS - {"cgroupParent"}
+#: What older agents sign, still verified during a rolling upgrade: before ``intruders`` (it
+#: reads as none), and before ``cgroupParent`` too (it reads as null).
+PREVIOUS_REPORT_FIELDS = (
+    REPORT_FIELDS - {"intruders"},
+    REPORT_FIELDS - {"intruders", "cgroupParent"},
+)
 
 
 class AttestationError(Exception):
@@ -368,7 +372,7 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
         raise AttestationError(f"signature.payload: not UTF-8 JSON: {e}") from e
     if not isinstance(document, dict) or set(document) not in (
         REPORT_FIELDS,
-        PREVIOUS_REPORT_FIELDS,
+        *PREVIOUS_REPORT_FIELDS,
     ):
         raise AttestationError(f"signature.payload: must be an object with {sorted(REPORT_FIELDS)}")
     try:
@@ -382,6 +386,7 @@ def verify_report(*, signature: Mapping[str, Any], public_key: Ed25519PublicKey)
     if document["phase"] not in PHASES:
         raise AttestationError(f"signature.payload.phase: {document['phase']!r}")
     document.setdefault("cgroupParent", None)
+    document.setdefault("intruders", [])
     return document
 
 
@@ -408,6 +413,10 @@ class AttestedBinding:
     #: The cgroup slice the node names for a hold with limits (kept only when it is exactly
     #: that allocation's own slice: the store decides).
     cgroup_parent: str | None = None
+    #: Pods (``namespace/name``) holding the devices, and those of them outside the
+    #: Reservation's namespace, as the node saw them (a ``kubernetes`` binding).
+    pods: tuple[str, ...] = ()
+    intruders: tuple[str, ...] = ()
 
 
 def _moment(reported_at: object) -> datetime | None:
@@ -490,6 +499,10 @@ class Attestation:
         cgroup_parent = document["cgroupParent"]
         if cgroup_parent is not None and not isinstance(cgroup_parent, str):
             raise AttestationError("signature.payload.cgroupParent: must be a string or null")
+        pods, intruders = document["pods"], document["intruders"]
+        for field, value in (("pods", pods), ("intruders", intruders)):
+            if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+                raise AttestationError(f"signature.payload.{field}: must be a list of strings")
         return AttestedBinding(
             payload=_decode(signature, "payload"),
             signature=_decode(signature, "value"),
@@ -500,4 +513,6 @@ class Attestation:
             env_file=env_file,
             reported_at=str(document["reportedAt"]),
             cgroup_parent=cgroup_parent,
+            pods=tuple(pods),
+            intruders=tuple(intruders),
         )

@@ -347,8 +347,14 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
     at = to_ms(now)
     kept = {c["type"]: c for c in r.conditions}
     wanted: list[Mapping[str, Any]] = []
-    # One Degraded at a time, the gravest: a lost binding, then devices others can hand out,
-    # then an unhealthy device.
+    # One Degraded at a time, the gravest: a lost binding, then devices others can hand out
+    # (another device plugin, then pods of another namespace), then an unhealthy device.
+    intruders = sorted(
+        f"{a.node_id}: {pod}"
+        for a in allocations
+        if a.state == "bound"
+        for pod in (a.report or {}).get("intruders") or ()
+    )
     if lost:
         wanted.append(
             _keep(
@@ -370,6 +376,19 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
                     Reason.FOREIGN_GPU_EXPOSURE,
                     "something besides bcd can hand the GPUs of these nodes to pods: "
                     + ", ".join(r.foreign_exposed_nodes),
+                    at_ms=at,
+                ),
+            )
+        )
+    elif intruders:
+        wanted.append(
+            _keep(
+                kept,
+                states.condition(
+                    Condition.DEGRADED,
+                    Reason.POD_OUTSIDE_NAMESPACE,
+                    "pods outside the Reservation's namespace hold its devices: "
+                    + ", ".join(intruders),
                     at_ms=at,
                 ),
             )
@@ -403,9 +422,10 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
     ]
     conditions = others + wanted
     recheck_at = now + ACTIVE_RECHECK
-    if conditions == list(r.conditions):
-        return WaitUntil(recheck_at, "recheck")
     binding = binding_view(allocations) if allocations and not lost else r.binding
+    # A re-report (the pods holding the devices changed) moves the binding alone.
+    if conditions == list(r.conditions) and binding == r.binding:
+        return WaitUntil(recheck_at, "recheck")
     return SetConditions(conditions=conditions, binding=binding, recheck_at=recheck_at)
 
 
@@ -434,8 +454,9 @@ def _fail(
 
 
 def binding_view(allocations: Sequence[Allocation]) -> dict[str, Any]:
-    """The ``binding`` shown once nodes have bound: nodes, allocations, CDI devices, env files
-    and, for a hold with limits, the cgroup slice (``cgroupParent``)."""
+    """The ``binding`` shown once nodes have bound: nodes, allocations, CDI devices, env files,
+    for a hold with limits the cgroup slice (``cgroupParent``), and for a ``kubernetes`` binding
+    the pods (``namespace/name``) its nodes last saw holding its devices (``pods``)."""
     reports = [a.report or {} for a in allocations]
     view: dict[str, Any] = {
         "nodeId": allocations[0].node_id,
@@ -457,4 +478,7 @@ def binding_view(allocations: Sequence[Allocation]) -> dict[str, Any]:
         view["cgroupParent"] = slices[0]
         if len(slices) > 1:
             view["cgroupParents"] = slices
+    pods = sorted({p for r in reports for p in r.get("pods") or ()})
+    if pods:
+        view["pods"] = pods
     return view

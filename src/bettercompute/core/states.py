@@ -64,6 +64,7 @@ class Reason(enum.StrEnum):
     NODE_REJECTED_BINDING = "NodeRejectedBinding"
     BINDING_LOST = "BindingLost"
     FOREIGN_GPU_EXPOSURE = "ForeignGpuExposure"
+    POD_OUTSIDE_NAMESPACE = "PodOutsideNamespace"
     ATOM_UNHEALTHY = "AtomUnhealthy"
     UNREACHABLE = "Unreachable"
     PODS_HOLD_DEVICES = "PodsHoldDevices"

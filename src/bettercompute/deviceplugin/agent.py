@@ -248,6 +248,7 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
             certificate=current_certificate,
             cgroups=None if limits_problem is not None else slices,
             no_limits_reason=f"this node does not enforce host limits: {limits_problem}",
+            warnings=objects,
         )
         plugin.allocations.set_inventory(inventory)
         publisher = NodePublisher(

@@ -35,6 +35,14 @@ no slice (its pods live in the kubelet's cgroups, which enforce their limits), b
 count in the admission. Every pass removes the slices of ours that no allocation owns any more,
 once no process is left in them.
 
+Whose pods hold the devices (a ``kubernetes`` binding): every pass, and just after each
+Allocate, asks the kubelet's PodResources which pods hold a bound allocation's devices and puts
+them in its ``Bound`` report (``pods``). With the reservation's own resource and its namespace
+known (``spec.reservationNamespace``), a holder of another namespace is an intruder: the report
+names it (``intruders``, which the control plane turns into ``Degraded/PodOutsideNamespace``)
+and the pod gets one Warning Event (``PodWarnings``). Nothing is taken from a running pod; a
+kubelet that does not answer leaves the last known holders in place.
+
 Restart safety: the CDI specs on disk describe their allocations (``devicefiles``), so a new
 process rebuilds its state from the desired list plus the files: a bound allocation is adopted
 (and its files restored if damaged), a file no desired allocation explains is released like a
@@ -100,6 +108,17 @@ class StatusReporter(Protocol):
     async def report(self, *, allocation_id: str, status: Mapping[str, Any]) -> None: ...
 
 
+class PodWarnings(Protocol):
+    """Tells a pod's owners something is wrong with it: a Warning Event on the pod
+    (``namespace/name``). Failures are the adapter's to log; a warning is best effort."""
+
+    async def warn(self, *, pod: str, reason: str, message: str) -> None: ...
+
+
+#: The Event reason on a pod that holds devices of another namespace's reservation.
+INTRUDER_REASON = "ReservationDevicesOfAnotherNamespace"
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -131,6 +150,7 @@ class _Status:
     cgroup_parent: str | None = None
     reason: str = ""
     pods: tuple[str, ...] = ()
+    intruders: tuple[str, ...] = ()
     since: int | None = None
 
 
@@ -154,8 +174,12 @@ class Converger:
         retry_on: tuple[type[Exception], ...] = (OSError,),
         cgroups: Cgroups | None = None,
         no_limits_reason: str = "this node does not enforce host limits",
+        warnings: PodWarnings | None = None,
     ) -> None:
         self.node_name = node_name
+        self.warnings = warnings
+        # Pods already warned, per allocation: one Event per intruder, not one per pass.
+        self._warned: dict[str, set[str]] = {}
         #: The node's cgroup slices; None where limits cannot be enforced (``no_limits_reason``).
         self.cgroups = cgroups
         self.no_limits_reason = no_limits_reason
@@ -353,7 +377,9 @@ class Converger:
         self.allocations.mark_bound(allocation_id)
         done.bound.append(allocation_id)
         log.info("%s: bound %s", allocation_id, list(allocation.device_ids))
-        await self._report(allocation_id, self._bound_status(allocation))
+        held = self.allocations.get(allocation_id)
+        assert held is not None
+        await self._report(allocation_id, await self._bound_status(held))
 
     async def _keep_bound(self, held: Held, allocation: Allocation, done: Pass) -> None:
         """An allocation we hold that is still desired: heal its files, advertise it again if
@@ -375,19 +401,62 @@ class Converger:
                 done.restored.append(allocation_id)
         if held.phase is not Phase.BOUND:
             held.releasing_since_ms = None
-            held.pods = ()
             self.allocations.mark_bound(allocation_id)
             done.bound.append(allocation_id)
-        await self._report(allocation_id, self._bound_status(allocation))
+        await self._report(allocation_id, await self._bound_status(held))
 
-    def _bound_status(self, allocation: Allocation) -> _Status:
+    async def _bound_status(self, held: Held) -> _Status:
+        allocation = held.allocation
+        pods, intruders = await self._holders(held)
         return _Status(
             phase="Bound",
             reservation_id=allocation.reservation_id,
             cdi_devices=tuple(allocation.cdi_devices),
             env_file=str(self.files.env_path(allocation.allocation_id)),
             cgroup_parent=allocation.cgroup_parent,
+            pods=pods,
+            intruders=intruders,
         )
+
+    # --- whose pods hold the devices ----------------------------------------------------
+
+    async def _holders(self, held: Held) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The pods holding a bound ``kubernetes`` allocation's devices, and the intruders
+        among them (pods outside its Reservation's namespace, in pod access ``reservation``),
+        each warned once. The kubelet not answering keeps the last known holders."""
+        allocation = held.allocation
+        if allocation.binding != "kubernetes":
+            return (), ()
+        try:
+            found = await self.pods.holders(
+                devices={allocation.resource_name: allocation.device_ids}
+            )
+            held.pods = tuple(sorted(found))
+            self._logged.pop(f"holders:{allocation.allocation_id}", None)
+        except KubeletUnreachable as e:
+            self._log_once(
+                f"holders:{allocation.allocation_id}",
+                f"{allocation.allocation_id}: cannot tell which pods hold its devices: {e}",
+            )
+        namespace = allocation.namespace
+        if allocation.own_resource is None or namespace is None:
+            return held.pods, ()  # pod access 'shared': any pod may, the report says which
+        intruders = tuple(p for p in held.pods if p.split("/", 1)[0] != namespace)
+        warned = self._warned.setdefault(allocation.allocation_id, set())
+        for pod in intruders:
+            if pod in warned:
+                continue
+            message = (
+                f"pod {pod} holds devices {', '.join(allocation.device_ids)} of reservation "
+                f"{allocation.reservation_id} (namespace {namespace}) on node {self.node_name}; "
+                "only that namespace's pods may use them"
+            )
+            log.warning("%s: %s", allocation.allocation_id, message)
+            if self.warnings is not None:
+                await self.warnings.warn(pod=pod, reason=INTRUDER_REASON, message=message)
+            warned.add(pod)
+        warned.intersection_update(intruders)  # one that comes back is warned again
+        return held.pods, intruders
 
     # --- cgroup slices ------------------------------------------------------------------
 
@@ -504,6 +573,7 @@ class Converger:
                 return
         await asyncio.to_thread(self.files.remove, allocation_id)
         self.allocations.mark_released(allocation_id)
+        self._warned.pop(allocation_id, None)
         done.released.append(allocation_id)
         log.info("%s: released", allocation_id)
         await self._report(allocation_id, _Status("Released", allocation.reservation_id))
@@ -525,6 +595,7 @@ class Converger:
             env_file=status.env_file,
             cgroup_parent=status.cgroup_parent,
             pods=status.pods,
+            intruders=status.intruders,
             since=status.since,
             reported_at=signing.rfc3339(now),
         )
@@ -538,6 +609,7 @@ class Converger:
                 cgroupParent=status.cgroup_parent,
                 reason=status.reason,
                 pods=list(status.pods),
+                intruders=list(status.intruders),
                 since=status.since,
                 reportedAt=report.reported_at,
                 signature=shapes.Signature.model_validate(self._sign(report)),

@@ -95,6 +95,9 @@ class Allocation:
     #: The reservation's own extended resource (pod access ``reservation``); None: the class's
     #: shared one.
     own_resource: str | None = None
+    #: The namespace of the Reservation object it serves; None for one made through the API.
+    #: Not written to its files: the spec says it again on every pass.
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -114,6 +117,7 @@ class Allocation:
                 until_ms=spec.until,
                 binding=spec.binding,
                 own_resource=spec.resourceName,
+                namespace=spec.reservationNamespace,
                 limits=None
                 if spec.limits is None
                 else HostLimits(

@@ -35,6 +35,8 @@ from bettercompute.deviceplugin.registering import Registrar
 from bettercompute.deviceplugin.serving import PluginServer
 
 log = logging.getLogger(__name__)
+#: How long after an Allocate the converger asks PodResources who holds what.
+ALLOCATE_SETTLE_S = 0.3
 
 
 class NodePlugin:
@@ -59,6 +61,7 @@ class NodePlugin:
         certificate: Callable[[], str | None] | None = None,
         cgroups: Cgroups | None = None,
         no_limits_reason: str = "this node does not enforce host limits",
+        warnings: converging.PodWarnings | None = None,
     ) -> None:
         self.allocations = Allocations()
         self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
@@ -68,6 +71,7 @@ class NodePlugin:
                 allocations=self.allocations,
                 plugin_dir=plugin_dir,
                 metrics=self.metrics,
+                allocated=self._allocated,
             )
             for resource in RESOURCES
         ]
@@ -81,6 +85,7 @@ class NodePlugin:
                 allocations=self.allocations,
                 plugin_dir=plugin_dir,
                 metrics=self.metrics,
+                allocated=self._allocated,
             ),
         )
         self.converger = Converger(
@@ -97,11 +102,17 @@ class NodePlugin:
             retry_on=retry_on,
             cgroups=cgroups,
             no_limits_reason=no_limits_reason,
+            warnings=warnings,
         )
         self.inventory_interval_s = inventory_interval_s
         self._retryable: tuple[type[Exception], ...] = (*retry_on, inventory.InventoryError)
         #: Set once the allocations are rebuilt and the servers may register.
         self.rebuilt = asyncio.Event()
+
+    def _allocated(self) -> None:
+        # The kubelet records which pod got the devices once Allocate has answered: look a
+        # moment later, not at once.
+        asyncio.get_running_loop().call_later(ALLOCATE_SETTLE_S, self.converger.wake)
 
     async def run(self) -> None:
         """Rebuild, then converge, watch the inventory and stay registered, until cancelled."""

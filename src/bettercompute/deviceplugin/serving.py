@@ -38,7 +38,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,11 +234,18 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     """The RPCs of one resource; each a thin wrapper of a function above."""
 
     def __init__(
-        self, *, resource: Resource, allocations: Allocations, metrics: DevicePluginMetrics
+        self,
+        *,
+        resource: Resource,
+        allocations: Allocations,
+        metrics: DevicePluginMetrics,
+        allocated: Callable[[], None] | None = None,
     ) -> None:
         self.resource = resource
         self.allocations = allocations
         self.metrics = metrics
+        #: Called after each Allocate answered: the converger looks at who holds what.
+        self.allocated = allocated
 
     async def GetDevicePluginOptions(  # the RPC names are fixed by the protocol
         self, request: api_pb2.Empty, context: grpc.aio.ServicerContext[Any, Any]
@@ -294,6 +301,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             self.metrics.observe_allocate(
                 resource=self.resource.name, seconds=time.perf_counter() - started
             )
+        if self.allocated is not None:
+            self.allocated()
         return api_pb2.AllocateResponse(container_responses=answers)
 
     async def PreStartContainer(
@@ -319,6 +328,7 @@ class PluginServer:
     allocations: Allocations
     plugin_dir: Path
     metrics: DevicePluginMetrics
+    allocated: Callable[[], None] | None = None
     _server: grpc.aio.Server | None = None
     _starting: asyncio.Future[None] | None = None
     _inode: int | None = None
@@ -336,7 +346,10 @@ class PluginServer:
         server = grpc.aio.server()
         api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
             DevicePluginService(
-                resource=self.resource, allocations=self.allocations, metrics=self.metrics
+                resource=self.resource,
+                allocations=self.allocations,
+                metrics=self.metrics,
+                allocated=self.allocated,
             ),
             server,
         )

@@ -83,6 +83,7 @@ class Report:
     env_file: str | None = None
     cgroup_parent: str | None = None
     pods: tuple[str, ...] = ()
+    intruders: tuple[str, ...] = ()
     since: int | None = None
     reported_at: str = ""
 
@@ -97,6 +98,7 @@ class Report:
             "envFile": self.env_file,
             "cgroupParent": self.cgroup_parent,
             "pods": sorted(self.pods),
+            "intruders": sorted(self.intruders),
             "since": self.since,
             "reportedAt": self.reported_at,
         }

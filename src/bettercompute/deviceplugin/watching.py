@@ -60,7 +60,8 @@ class Backoff:
 
 
 class AllocationObjects:
-    """``DesiredAllocations`` and ``StatusReporter`` over this node's DeviceAllocations."""
+    """``DesiredAllocations``, ``StatusReporter`` and ``PodWarnings`` over this node's
+    DeviceAllocations (and its pods' Events)."""
 
     def __init__(
         self,
@@ -122,6 +123,25 @@ class AllocationObjects:
             raise
         if patched is None:
             log.info("%s: object %s is gone; %s not written", allocation_id, name, status)
+
+    async def warn(self, *, pod: str, reason: str, message: str) -> None:
+        """A Warning Event on ``pod`` (``namespace/name``); best effort: a refusal is logged."""
+        namespace, _, name = pod.partition("/")
+        try:
+            await self.client.post_event(
+                involved={
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": namespace},
+                },
+                type_="Warning",
+                reason=reason,
+                message=message,
+                namespace=namespace,
+                component="device-plugin",
+            )
+        except KubeError as e:
+            log.warning("cannot post a Warning Event on pod %s: %s", pod, e)
 
     def _name_of(self, allocation_id: str) -> str:
         for name, obj in (self._objects or {}).items():

@@ -68,6 +68,11 @@ class AllocationSpec(_Written):
     resourceName: str | None = Field(
         default=None, max_length=63, pattern=r"^bcd\.dev/rsv-[a-z0-9]{1,24}$"
     )
+    #: The namespace of the Reservation object it serves (a reservation made through
+    #: Kubernetes): the node checks that the pods holding its devices are of it.
+    reservationNamespace: str | None = Field(
+        default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
     release: bool = False
 
     def document(self) -> dict[str, Any]:
@@ -109,7 +114,10 @@ class AllocationStatus(_Read):
     #: A bound hold with limits: the cgroup slice the node made for it (``bcd-alloc-<id>.slice``).
     cgroupParent: str | None = None
     reason: str | None = None
+    #: Pods (``namespace/name``) holding the devices: while Bound, and while Releasing.
     pods: list[str] = Field(default_factory=list)
+    #: Bound: the pods of ``pods`` outside ``spec.reservationNamespace``.
+    intruders: list[str] = Field(default_factory=list)
     since: int | None = None
     reportedAt: str | None = None
     signature: Signature | None = None
@@ -140,6 +148,7 @@ def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
         parentGpus=list(row["parentGpus"]),
         until=int(row["until"]),
         resourceName=_resource_name(row),
+        reservationNamespace=row.get("reservationNamespace"),
         release=row["state"] == "releasing",
     ).document()
 
@@ -201,6 +210,10 @@ def report(raw: object) -> tuple[str, dict[str, Any]] | None:
             details["envFile"] = status.envFile
         if status.cgroupParent:
             details["cgroupParent"] = status.cgroupParent
+        if status.pods:
+            details["pods"] = list(status.pods)
+        if status.intruders:
+            details["intruders"] = list(status.intruders)
     if kind == "failed":
         details["reason"] = status.reason or "the node did not say why"
     if kind == "releasing":

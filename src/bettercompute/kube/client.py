@@ -388,9 +388,18 @@ class KubeClient:
         reason: str,
         message: str,
         namespace: str,
+        component: str = "operator",
     ) -> None:
-        """A core/v1 Event about ``involved`` (its apiVersion, kind and metadata)."""
+        """A core/v1 Event about ``involved`` (its apiVersion, kind and metadata), reported
+        by ``component`` (``operator``, ``device-plugin``)."""
         meta = involved.get("metadata") or {}
+        about = {
+            "apiVersion": involved.get("apiVersion"),
+            "kind": involved.get("kind"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        }
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self.create(
             resources.EVENTS,
@@ -398,21 +407,15 @@ class KubeClient:
                 "apiVersion": "v1",
                 "kind": "Event",
                 "metadata": {"generateName": "bcd-", "namespace": namespace},
-                "involvedObject": {
-                    "apiVersion": involved.get("apiVersion"),
-                    "kind": involved.get("kind"),
-                    "name": meta.get("name"),
-                    "namespace": meta.get("namespace"),
-                    "uid": meta.get("uid"),
-                },
+                "involvedObject": {k: v for k, v in about.items() if v is not None},
                 "type": type_,
                 "reason": reason,
                 "message": message[:1024],
-                "source": {"component": "better-compute-operator"},
+                "source": {"component": f"better-compute-{component}"},
                 "firstTimestamp": now,
                 "lastTimestamp": now,
                 "count": 1,
-                "reportingComponent": "bcd.dev/operator",
+                "reportingComponent": f"bcd.dev/{component}",
             },
             namespace=namespace,
         )

@@ -24,9 +24,11 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     """The allocations of ``node_id`` in ``NODE_STATES``, oldest first.
 
     Each is ``{allocationId, reservationId, tenantId, state, binding, podAccess, class,
-    deviceIds, parentGpus, until}``: ``podAccess`` is the pool's (``reservation`` unless the
-    pool says ``shared``): ``parentGpus`` gives each device's physical GPU in ``deviceIds``
-    order (the same id for a whole GPU), ``until`` is epoch milliseconds.
+    deviceIds, parentGpus, until, reservationNamespace}``: ``podAccess`` is the pool's
+    (``reservation`` unless the pool says ``shared``); ``parentGpus`` gives each device's
+    physical GPU in ``deviceIds`` order (the same id for a whole GPU); ``until`` is epoch
+    milliseconds; ``reservationNamespace`` is the namespace of the Reservation object that owns
+    it (``None`` for one made through the API).
     """
     async with db.connection() as conn:
         rows = await (
@@ -36,11 +38,12 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                        r.request ->> 'binding' AS binding,
                        coalesce(p.policy ->> 'podAccess', 'reservation') AS pod_access,
                        a.device_class, a.device_ids,
-                       epoch_ms(a.until) AS until_ms,
+                       epoch_ms(a.until) AS until_ms, o.namespace AS reservation_namespace,
                        (SELECT coalesce(jsonb_object_agg(t.device_id, t.parent_gpu), '{}')
                           FROM atoms t WHERE t.id = ANY(a.atom_ids)) AS parents
                   FROM allocations a JOIN reservations r ON r.id = a.reservation_id
                   JOIN pools p ON p.id = r.pool_id
+                  LEFT JOIN kube_owners o ON o.reservation_id = r.id
                  WHERE a.node_id = %s AND a.state = ANY(%s)
                  ORDER BY a.created_at, a.id
                 """,
@@ -59,6 +62,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "deviceIds": list(row["device_ids"]),
             "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],
             "until": int(row["until_ms"]),
+            "reservationNamespace": row["reservation_namespace"],
         }
         for row in rows
     ]

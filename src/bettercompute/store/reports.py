@@ -16,6 +16,10 @@ one accepted, or that same one after the binding was lost) is rejected the same 
 leases (binding ``node``) are exempt. Only bound reports are checked: failed,
 releasing and released reports cannot make anything count.
 
+A bound report of a ``kubernetes`` binding names the pods holding its devices (``pods``) and
+those outside its Reservation's namespace (``intruders``); the reconcile turns the latter into
+``Degraded/PodOutsideNamespace``.
+
 A bound report's ``cgroupParent`` is kept only when it is exactly the slice the node makes for
 that allocation (``ids.cgroup_slice``) and the allocation is a ``hold``: a node cannot point a
 reservation at another allocation's slice, nor give a ``kubernetes`` binding (whose pods live in
@@ -104,6 +108,10 @@ async def report(
                 details["envFile"] = signed.env_file
             if signed.cgroup_parent:
                 details["cgroupParent"] = signed.cgroup_parent
+            if signed.pods:
+                details["pods"] = list(signed.pods)
+            if signed.intruders:
+                details["intruders"] = list(signed.intruders)
         details = _kept_details(details, allocation_id=allocation_id, binding=alloc["binding"])
         report_body = {**(alloc["report"] or {}), **details, "kind": kind}
         if kind == "bound" and signed is None:
@@ -230,9 +238,13 @@ def _next_allocation_state(current: str, kind: str) -> str | None:
 def _kept_details(
     details: Mapping[str, Any], *, allocation_id: str, binding: str | None
 ) -> dict[str, Any]:
-    """``details`` without a ``cgroupParent`` that is not this hold allocation's own slice."""
+    """``details`` without a ``cgroupParent`` that is not this hold allocation's own slice,
+    and without a bound report's pods unless the binding is ``kubernetes`` (only the kubelet's
+    pods can hold devices)."""
     kept = dict(details)
     parent = kept.pop("cgroupParent", None)
     if (binding or "hold") == "hold" and parent == ids.cgroup_slice(allocation_id):
         kept["cgroupParent"] = parent
+    if binding != "kubernetes":
+        kept.pop("intruders", None)
     return kept
