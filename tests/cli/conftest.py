@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from bettercompute.api.app import make_app
+from bettercompute.core.pools import CAP_DEVICES_LIMITS
 from bettercompute.iam.identities import StaticTokenAuthenticator
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.database import Database
@@ -109,17 +110,25 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 @pytest.fixture
 async def server(db: Database, service: ReservationService) -> AsyncIterator[Server]:
-    """The real API over a world: tenant acme owns pool_a (2 nodes of 8 H100) and pool_k (for
-    ``binding: kubernetes``, no nodes yet), with a quota of 16 H100."""
+    """The real API over a world: tenant acme owns pool_a (2 nodes of 8 H100, 64 CPUs and
+    512 GiB each, a per-GPU share of 1 CPU and 8 GiB) and pool_k (for ``binding: kubernetes``,
+    no nodes yet), with a quota of 16 H100, 100 CPUs and 1000 GiB."""
     await (
         World(db)
         .tenant("acme")
         .tenant("globex")
         .tenant("root", root=True)
-        .pool("pool_a", owner="acme")
+        .pool("pool_a", owner="acme", policy={"perGpu": {"vcpu": 1, "memoryGiB": 8}})
         .pool("pool_k", owner="acme", policy={"kubernetes": True})
-        .nodes("pool_a", 2)
+        .nodes(
+            "pool_a",
+            2,
+            host={"vcpu": 64, "memoryGiB": 512},
+            labels={CAP_DEVICES_LIMITS: ("true", "system")},
+        )
         .quota("acme", "gpu:H100", 16)
+        .quota("acme", "vcpu", 100)
+        .quota("acme", "memoryGiB", 1000)
         .build()
     )
     authenticator = StaticTokenAuthenticator(

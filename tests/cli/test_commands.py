@@ -222,13 +222,18 @@ async def test_capacity_preview_says_whether_and_where_it_fits(cli: Cli):
     assert re.search(r"fits\s+no", too_big.stdout), too_big
     assert re.search(r"rejected\s+capacity: 2", too_big.stdout), too_big
 
-    # Host resources need nodes that enforce them; these nodes do not advertise it.
-    host = await cli(
-        *preview, "--gpus", "2", "--for", "8h", "--cpus", "4", "--memory", "32", "-o", "json"
-    )
+    # Host resources are booked as a create would: the asked ones, never below the share.
+    host = await cli(*preview, "--gpus", "2", "--for", "8h", "--cpus", "4", "--memory", "32")
     assert host.rc == 0, host
-    assert host.json()["fits"] is False
-    assert "labels" in host.json()["rejected"]
+    assert re.search(r"fits\s+yes", host.stdout), host
+    assert re.search(
+        r"host\s+4 vCPU, 32 GiB memory \(share 2 vCPU, 16 GiB memory\)", host.stdout
+    ), host
+    # 62 CPUs are bookable on each host (64, less the 2 it keeps).
+    too_many = await cli(*preview, "--gpus", "1", "--for", "8h", "--cpus", "63", "-o", "json")
+    assert too_many.rc == 0, too_many
+    assert too_many.json()["fits"] is False
+    assert too_many.json()["rejected"] == {"capacity": 2}
 
 
 async def test_capacity_without_preview_is_a_usage_error(cli: Cli):

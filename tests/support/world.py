@@ -75,10 +75,12 @@ class World:
         labels: Mapping[str, tuple[str, str]] | None = None,
         mig: Mapping[str, int] | None = None,
         slots: int = 0,
+        host: Mapping[str, Any] | None = None,
     ) -> World:
         """``count`` nodes of ``gpus`` GPUs in ``domains`` NVLink domains. With ``mig``
         (profile → instances per GPU) the atoms are MIG instances; with ``slots`` they are
-        that many time-slice slots per GPU."""
+        that many time-slice slots per GPU. ``host`` is each node's host inventory (``vcpu``,
+        ``memoryGiB``, huge pages, ``numaNodes``): its bookable rows."""
         start = len([n for n in self._nodes if n.pool_id == pool_id])
         for i in range(start, start + count):
             name = f"{prefix or pool_id}-node-{i:02d}"
@@ -123,6 +125,7 @@ class World:
                     pool_id=pool_id,
                     atoms=atoms,
                     labels=dict(labels or {}),
+                    resources=dict(host or {}),
                 )
             )
         return self

@@ -320,7 +320,7 @@ REFUSALS = [
         .busy(*(f"e.g{i}" for i in range(6))),
         Demand([gpu(4)], required_labels={"bc.dev/cap.binding.kubernetes": "*"}),
         {"ready": 2, "labels": 1, "capacity": 2},
-        "0 of 5 nodes fit: 2 not ready, 1 lack label bc.dev/cap.binding.kubernetes=*, "
+        "0 of 5 nodes fit: 2 not ready, 1 needs label bc.dev/cap.binding.kubernetes=*, "
         "2 too few free gpu",
     ),
     (
@@ -328,7 +328,7 @@ REFUSALS = [
         SnapshotBuilder().node("a", gpus=1, labels={"zone": "x"}),
         Demand([gpu(1)], required_labels={"zone": "y"}),
         {"labels": 1},
-        "0 of 1 nodes fit: 1 lack label zone=y",
+        "0 of 1 nodes fit: 1 needs label zone=y",
     ),
     (
         "health: the shortfall is unhealthy atoms",

@@ -164,6 +164,16 @@ _ANSWERS: dict[str, Any] = {
                 },
             },
             "message": {"type": "string", "description": "'fits', or the placer's summary."},
+            "resources": {
+                "type": "object",
+                "description": "What each node would book of its host (vcpu, memoryGiB, "
+                "hugepages1Gi): the request's resources, raised to the pool's share.",
+            },
+            "hostShare": {
+                "type": "object",
+                "description": "The part of it that is the pool's per-GPU share (rides on the "
+                "GPUs' quota); {} when the pool has none.",
+            },
             "rejected": {
                 "type": "object",
                 "additionalProperties": {"type": "integer"},

@@ -173,7 +173,8 @@ CpusOption = Annotated[
     int | None,
     typer.Option(
         "--cpus",
-        help="Host vCPUs to book with the GPUs (default: the pool's per-GPU share).",
+        help="Host vCPUs per node to book with the GPUs, on their node (default, and least: "
+        "the pool's per-GPU share; anything above it is charged to your vcpu quota).",
         min=0,
         max=4096,
         rich_help_panel=REQUEST,
@@ -183,7 +184,8 @@ MemoryOption = Annotated[
     int | None,
     typer.Option(
         "--memory",
-        help="Host memory in GiB to book with the GPUs (default: the pool's per-GPU share).",
+        help="Host memory in GiB per node to book with the GPUs (default, and least: the "
+        "pool's per-GPU share; anything above it is charged to your memoryGiB quota).",
         min=0,
         max=65_536,
         rich_help_panel=REQUEST,

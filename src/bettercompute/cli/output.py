@@ -162,8 +162,20 @@ def _nodes(view: Mapping[str, Any]) -> str:
 
 
 def _host(view: Mapping[str, Any]) -> str | None:
-    resources = (view.get("request") or {}).get("resources") or view.get("hostShare") or None
-    if not resources:
+    """What each node books of its host, and the part of it that is the pool's share."""
+    return _host_text((view.get("request") or {}).get("resources"), view.get("hostShare"))
+
+
+def _host_text(resources: Any, share: Any) -> str | None:
+    booked = _resources_text(resources)
+    if booked is None:
+        return None
+    share_text = _resources_text(share)
+    return f"{booked} (share {share_text})" if share_text else booked
+
+
+def _resources_text(resources: Any) -> str | None:
+    if not isinstance(resources, Mapping) or not resources:
         return None
     parts = []
     if resources.get("vcpu"):
@@ -288,11 +300,13 @@ def preview(data: Any) -> RenderableType:
     fits = data.get("fits")
     table.add_row("fits", Text("yes" if fits else "no"))
     known = {"fits", "poolId", "during", "nodeIds", "devices", "message", "rejected"}
+    known |= {"resources", "hostShare"}
     rows: list[tuple[str, str | None]] = [
         ("pool", data.get("poolId")),
         ("during", describe_window(data.get("during")) if data.get("during") else None),
         ("nodes", ", ".join(str(n) for n in data.get("nodeIds") or []) or None),
         ("devices", _preview_devices(data.get("devices"))),
+        ("host", _host_text(data.get("resources"), data.get("hostShare"))),
         ("message", data.get("message")),
         ("rejected", _rejected(data.get("rejected"))),
     ]

@@ -11,7 +11,9 @@ overlapping window - and passes it in. A demand that cannot be placed is a ``NoF
 never an exception; ``ValueError`` is only for a demand that makes no sense.
 
 How: each node goes through the filters ready -> labels -> health -> capacity -> topology and
-is counted against the first that rejects it. Among the nodes that fit, best fit wins: the node
+is counted against the first that rejects it. Capacity covers the host too: a demand that books
+host CPUs, memory or huge pages fits only a node whose bookable rows, less what other
+reservations book there in the window, hold them. Among the nodes that fit, best fit wins: the node
 left with the fewest free matching atoms, tie-broken by node name then id.
 """
 
@@ -48,6 +50,9 @@ class Node:
     ready: bool
     connected: bool
     labels: Mapping[str, str]  # only labels whose source is "system"
+    #: What the host can book (``vcpu`` less the CPUs it keeps for itself, ``memoryGiB``,
+    #: ``hugepages1Gi`` …); a missing row gives none of that resource.
+    host: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Snapshot:
     nodes: Sequence[Node]
     atoms: Sequence[Atom]  # all atoms of the pool's nodes
     busy: frozenset[str]  # atom ids already booked in an overlapping window
+    #: Node id -> what other reservations book of its host in an overlapping window.
+    host_busy: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,8 @@ class Demand:
     whole_node: bool = False
     # Value "*" means "label present with any value".
     required_labels: Mapping[str, str] = field(default_factory=dict)
+    # What each member books of its node's host (``vcpu``, ``memoryGiB``, ``hugepages1Gi``).
+    host: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ class _Ask(NamedTuple):
     order: list[int]  # the order entries are solved in
     total: int  # atoms one member takes
     labels: list[tuple[str, str]]  # required labels, sorted by name
+    host: list[tuple[str, int]]  # host resources one member books, sorted by name
 
 
 class _Reject(NamedTuple):
@@ -169,7 +179,13 @@ def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
         stock = stocks.pop(node.id, None)
         if stock is None:  # a repeated node id: the first one is the node
             continue
-        verdict = _screen(node=node, stock=stock, ask=ask, whole_node=demand.whole_node)
+        verdict = _screen(
+            node=node,
+            stock=stock,
+            ask=ask,
+            whole_node=demand.whole_node,
+            host_busy=snapshot.host_busy.get(node.id),
+        )
         if isinstance(verdict, _Fit):
             fits.append(verdict)
         else:
@@ -224,6 +240,7 @@ def _prepare(demand: Demand) -> _Ask:
         order=order,
         total=sum(e.count for e in devices),
         labels=sorted(demand.required_labels.items()),
+        host=sorted((k, v) for k, v in demand.host.items() if v > 0),
     )
 
 
@@ -253,7 +270,14 @@ def _stock_up(*, snapshot: Snapshot, sizes: bool) -> dict[str, _Stock]:
     return stocks
 
 
-def _screen(*, node: Node, stock: _Stock, ask: _Ask, whole_node: bool) -> _Fit | _Reject:
+def _screen(
+    *,
+    node: Node,
+    stock: _Stock,
+    ask: _Ask,
+    whole_node: bool,
+    host_busy: Mapping[str, int] | None,
+) -> _Fit | _Reject:
     """The node's fit (with its best-fit score), or the first filter that rejects it."""
     if not (node.ready and node.connected):
         return _NOT_READY
@@ -261,7 +285,10 @@ def _screen(*, node: Node, stock: _Stock, ask: _Ask, whole_node: bool) -> _Fit |
     for name, value in ask.labels:
         actual = labels.get(name)
         if actual is None or (value != "*" and actual != value):
-            return _Reject("labels", f"lack label {name}={value}")
+            return _Reject("labels", f"needs label {name}={value}")
+    for name, need in ask.host:
+        if node.host.get(name, 0) - (host_busy or {}).get(name, 0) < need:
+            return _Reject("capacity", f"too little free host {name}")
     if whole_node:
         return _screen_whole_node(node=node, stock=stock)
     plan = _plan(ask=ask, counts=stock.usable, domains=stock.usable_domains)

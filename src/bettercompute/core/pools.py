@@ -27,7 +27,7 @@ from pydantic import (
     field_validator,
 )
 
-from bettercompute.core import durations, errors, placement
+from bettercompute.core import durations, errors, hosts, placement
 
 #: Which device class each sharing mode books.
 CLASS_FOR_MODE = {"exclusive": "gpu", "mig": "mig", "timeslice": "slot", "mps": "slot"}
@@ -314,13 +314,29 @@ def check_request(*, request: Mapping[str, Any], pool: PoolInfo, tenant_id: str)
             )
 
 
+def resolve_host(
+    request: Mapping[str, Any], *, pool: PoolInfo, hosts_share: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """``hosts.resolve`` for this pool: its sharing, its ``policy.perGpu``, and the per-GPU
+    share its hosts can give (``hosts_share``, kept by the store with the inventory)."""
+    per_gpu = pool.policy.perGpu
+    return hosts.resolve(
+        request,
+        sharing_mode=pool.sharing_mode,
+        replicas=pool.replicas,
+        per_gpu=per_gpu.model_dump(exclude_none=True) if per_gpu is not None else None,
+        hosts=hosts_share,
+    )
+
+
 def demand(*, request: Mapping[str, Any]) -> placement.Demand:
     """The placer's view of a normalised request."""
     labels: dict[str, str] = {}
     if request["binding"] == "kubernetes":
         labels[CAP_BINDING_KUBERNETES] = "*"
-    resources = request.get("resources") or {}
-    if any(int(v) > 0 for v in resources.values()):
+    host = hosts.booked(request)
+    if host:
+        # Only a node agent that enforces limits may run it: anything else would run it unbounded.
         labels[CAP_DEVICES_LIMITS] = "*"
     return placement.Demand(
         devices=tuple(
@@ -335,4 +351,5 @@ def demand(*, request: Mapping[str, Any]) -> placement.Demand:
         gang_size=int(request.get("gang", {}).get("size", 1)),
         whole_node=request["binding"] == "node",
         required_labels=labels,
+        host=host,
     )

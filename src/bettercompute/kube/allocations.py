@@ -149,6 +149,7 @@ def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
         until=int(row["until"]),
         resourceName=_resource_name(row),
         reservationNamespace=row.get("reservationNamespace"),
+        limits=Limits(**row["limits"]) if row.get("limits") else None,
         release=row["state"] == "releasing",
     ).document()
 

@@ -50,6 +50,7 @@ class NumaNode(_Status):
 class Host(_Status):
     vcpu: int | None = Field(default=None, ge=0)
     memoryGiB: int | None = Field(default=None, ge=0)
+    hugepages2Mi: int | None = Field(default=None, ge=0)
     hugepages1Gi: int | None = Field(default=None, ge=0)
 
 

@@ -153,7 +153,6 @@ def node_spec(
         label = _CAPABILITY_LABELS.get(capability)
         if label is not None:
             node_labels[label] = ("true", "system")
-    host = parsed.inventory.host
     return NodeSpec(
         id=name,
         name=name,
@@ -163,10 +162,21 @@ def node_spec(
         ready=parsed.ready,
         connected=parsed.ready and _fresh(parsed, now_s=now_s),
         foreign_exposure=parsed.foreign_exposure,
-        resources={}
-        if host is None
-        else {k: v for k, v in host.model_dump().items() if v is not None},
+        resources=_host_resources(parsed.inventory),
     )
+
+
+def _host_resources(inventory: nodes.NodeInventory) -> dict[str, Any]:
+    """The node's host rows (``vcpu``, ``memoryGiB``, huge pages) and its NUMA nodes (their
+    cpulists and memory, for the cpusets of its allocations)."""
+    found: dict[str, Any] = {}
+    if inventory.host is not None:
+        found.update({k: v for k, v in inventory.host.model_dump().items() if v is not None})
+    if inventory.numaNodes:
+        found["numaNodes"] = [
+            {k: v for k, v in n.model_dump().items() if v is not None} for n in inventory.numaNodes
+        ]
+    return found
 
 
 _CAPABILITY_LABELS = {

@@ -279,7 +279,6 @@ class ReservationService:
             view = await admission.commit(
                 self.db,
                 draft=draft,
-                request=request,
                 duration_ms=value.duration_ms,
                 actor=caller.identity_id,
                 tenant_id=tenant,

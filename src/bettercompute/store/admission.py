@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg.errors
 
-from bettercompute.core import attributes, errors, placement, pools, states
+from bettercompute.core import attributes, errors, hosts, placement, pools, states
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import budgets, journal, placing, quotas, views
 from bettercompute.store import pools as pool_rows
@@ -46,6 +46,10 @@ class Draft:
     claim: str
     pool: pools.PoolInfo
     attributes: dict[str, Any]
+    #: The request as stored: with the host resources it books (``core.hosts.resolve``).
+    request: dict[str, Any]
+    #: The pool's per-GPU share times its GPUs' worth: rides on the GPUs' quota.
+    host_share: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,10 @@ async def write_draft(
     one round trip, the writes and the commit in another.
     """
     async with scripted(db) as conn:
-        [[row]] = await script(
+        [[row], share_rows] = await script(
             conn,
-            "BEGIN; SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s)",
+            "BEGIN; SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s);"
+            " SELECT host_share FROM pools WHERE id = %s",
             (
                 idempotency_id,
                 tenant_id,
@@ -92,6 +97,7 @@ async def write_draft(
                 reservation_id,
                 str(request["poolId"]),
                 CLAIM_TTL,
+                str(request["poolId"]),
             ),
         )
         assert row is not None  # inserted or found, and locked
@@ -121,6 +127,10 @@ async def write_draft(
         if pool is None:
             raise errors.not_found("pool")
         pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
+        # The host resources it books, resolved once, here, and stored with the request.
+        request, host_share = pools.resolve_host(
+            request, pool=pool, hosts_share=share_rows[0]["host_share"] if share_rows else None
+        )
         attrs = attributes.reservation_attributes(
             request=request, gpu_model=pool.gpu_model, region=pool.region, duration_ms=duration_ms
         )
@@ -132,10 +142,11 @@ async def write_draft(
             WITH draft AS (
                 INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
                     idempotency_key, request_hash, request, state, requested_start, duration,
-                    lease_seconds)
+                    lease_seconds, host_share)
                 VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s / 1000.0),
-                        %s * interval '1 millisecond', %s)
-                ON CONFLICT (id) DO NOTHING
+                        %s * interval '1 millisecond', %s, %s)
+                ON CONFLICT (id) DO UPDATE SET request = excluded.request,
+                    host_share = excluded.host_share
             ), authz AS (
                 INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
                                              owner_identity_id, attributes)
@@ -157,6 +168,7 @@ async def write_draft(
                 request.get("start"),
                 duration_ms,
                 request.get("leaseSeconds"),
+                jsonb(host_share),
                 reservation_id,
                 tenant_id,
                 pool.id,
@@ -167,7 +179,7 @@ async def write_draft(
                 idempotency_id,
             ),
         )
-    return Draft(reservation_id, idempotency_id, claim, pool, attrs)
+    return Draft(reservation_id, idempotency_id, claim, pool, attrs, dict(request), host_share)
 
 
 async def abandon(
@@ -230,7 +242,6 @@ async def commit(
     db: Database,
     *,
     draft: Draft,
-    request: Mapping[str, Any],
     duration_ms: int,
     actor: str,
     tenant_id: str,
@@ -244,7 +255,11 @@ async def commit(
     ``SPEND_LIMIT_REACHED`` or ``QUOTA_EXCEEDED`` (nothing written; the caller abandons the
     draft) or ``CONFLICT`` when the claim was lost to a takeover.
     """
-    demand = attributes.quota_demand(request, gpu_model=draft.pool.gpu_model)
+    request = draft.request  # with the host resources resolved at the draft
+    demand = {
+        **attributes.quota_demand(request, gpu_model=draft.pool.gpu_model),
+        **hosts.quota_excess(request, host_share=draft.host_share),
+    }
     for attempt in range(2):
         try:
             return await _commit_once(
@@ -282,11 +297,13 @@ async def _commit_once(
     # writes, the view and the commit. Placement is decided in Python in between, under the
     # pool lock.
     resources = sorted(demand)
+    wanted = pools.demand(request=request)
+    host = wanted.host
     async with scripted(db) as conn:
         [[begun]] = await script(
             conn,
             "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
-            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric)",
+            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)",
             (
                 draft.idempotency_id,
                 draft.claim,
@@ -298,6 +315,7 @@ async def _commit_once(
                 duration_ms,
                 draft.reservation_id,
                 budget_hours,
+                bool(host),
             ),
         )
         if not begun["mine"]:
@@ -319,8 +337,9 @@ async def _commit_once(
             pool_id=draft.pool.id,
             version=int(begun["inventory_version"]),
             busy=begun["busy"],
+            host_busy=begun["host_busy"],
         )
-        outcome = placement.place(snapshot=snap, demand=pools.demand(request=request))
+        outcome = placement.place(snapshot=snap, demand=wanted)
         lease = (
             now + dt.timedelta(seconds=int(request["leaseSeconds"]))
             if request.get("leaseSeconds")
@@ -334,6 +353,7 @@ async def _commit_once(
                 atoms=snap.atoms,
                 start=start,
                 end=end,
+                host=host,
             )
             mark_sql, mark_params = placing.mark_placed_statement(
                 reservation_id=draft.reservation_id,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bettercompute.core import hosts
 from bettercompute.store.database import Database
 
 #: Allocation states a node acts on.
@@ -28,7 +29,8 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     (``reservation`` unless the pool says ``shared``); ``parentGpus`` gives each device's
     physical GPU in ``deviceIds`` order (the same id for a whole GPU); ``until`` is epoch
     milliseconds; ``reservationNamespace`` is the namespace of the Reservation object that owns
-    it (``None`` for one made through the API).
+    it (``None`` for one made through the API); ``limits`` is what it booked of its node's host
+    (``core.hosts.limits``), ``None`` when it booked none.
     """
     async with db.connection() as conn:
         rows = await (
@@ -39,10 +41,18 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                        coalesce(p.policy ->> 'podAccess', 'reservation') AS pod_access,
                        a.device_class, a.device_ids,
                        epoch_ms(a.until) AS until_ms, o.namespace AS reservation_namespace,
+                       a.host_vcpu, a.host_memory_gib, a.host_hugepages_1gi,
+                       n.resources -> 'numaNodes' AS numa_nodes,
+                       coalesce((p.policy -> 'hostReserve' ->> 'vcpu')::integer, 2)
+                         AS reserve_vcpu,
+                       (SELECT array_agg(DISTINCT t.numa_node) FILTER (
+                                   WHERE t.numa_node IS NOT NULL)
+                          FROM atoms t WHERE t.id = ANY(a.atom_ids)) AS device_numa,
                        (SELECT coalesce(jsonb_object_agg(t.device_id, t.parent_gpu), '{}')
                           FROM atoms t WHERE t.id = ANY(a.atom_ids)) AS parents
                   FROM allocations a JOIN reservations r ON r.id = a.reservation_id
                   JOIN pools p ON p.id = r.pool_id
+                  JOIN nodes n ON n.id = a.node_id
                   LEFT JOIN kube_owners o ON o.reservation_id = r.id
                  WHERE a.node_id = %s AND a.state = ANY(%s)
                  ORDER BY a.created_at, a.id
@@ -63,6 +73,14 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],
             "until": int(row["until_ms"]),
             "reservationNamespace": row["reservation_namespace"],
+            "limits": hosts.limits(
+                vcpu=row["host_vcpu"],
+                memory_gib=row["host_memory_gib"],
+                hugepages_1gi=row["host_hugepages_1gi"],
+                numa_nodes=row["numa_nodes"] if isinstance(row["numa_nodes"], list) else None,
+                device_numa=set(row["device_numa"] or ()),
+                reserve_vcpu=row["reserve_vcpu"],
+            ),
         }
         for row in rows
     ]

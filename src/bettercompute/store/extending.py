@@ -234,6 +234,12 @@ async def extend_commit(
                     " WHERE reservation_id = %s AND upper(during) = %s",
                     (new_end, reservation_id, old_end),
                 )
+                # Its hosts must give its CPUs and memory for the added time too.
+                await conn.execute(
+                    "SELECT bc_check_hosts(ARRAY(SELECT id FROM allocations"
+                    " WHERE reservation_id = %s), %s, %s)",
+                    (reservation_id, old_end, new_end),
+                )
         except psycopg.errors.ExclusionViolation:
             available = await (
                 await conn.execute(

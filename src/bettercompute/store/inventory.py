@@ -70,6 +70,13 @@ async def upsert_pool(
                 jsonb(dict(policy or {})),
             ),
         )
+        # The per-GPU share and the nodes' bookable CPUs read the pool's hostReserve, which
+        # this may have changed: a new version makes placers read the nodes again.
+        await conn.execute(
+            "UPDATE pools SET host_share = coalesce(bc_pool_host_share(id), '{}'),"
+            " inventory_version = nextval('inventory_versions') WHERE id = %s",
+            (pool_id,),
+        )
         if archived:
             await journal.wake_pending(conn, pool_id=pool_id)
 
@@ -217,6 +224,18 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
             "UPDATE atoms SET retired = true WHERE node_id = %s AND NOT (device_id = ANY(%s))",
             (node.id, [a.device_id for a in node.atoms]),
         )
+        rows = host_rows(node.resources)
+        await conn.execute(
+            "DELETE FROM host_resources WHERE node_id = %s AND NOT (resource = ANY(%s))",
+            (node.id, list(rows)),
+        )
+        await conn.execute(
+            "INSERT INTO host_resources (node_id, resource, capacity)"
+            " SELECT %s, r.resource, r.capacity FROM unnest(%s::text[], %s::bigint[])"
+            " AS r(resource, capacity)"
+            " ON CONFLICT (node_id, resource) DO UPDATE SET capacity = excluded.capacity",
+            (node.id, list(rows), list(rows.values())),
+        )
         old_pool = before["pool_id"] if before else None
         if old_pool != node.pool_id and node.pool_id is not None:
             await conn.execute(
@@ -251,10 +270,27 @@ async def set_node_status(
         await _wake_node(conn, node_id)
 
 
+#: The host resources a node's inventory can make bookable.
+HOST_RESOURCES = ("vcpu", "memoryGiB", "hugepages2Mi", "hugepages1Gi")
+
+
+def host_rows(resources: Mapping[str, Any]) -> dict[str, int]:
+    """A node's bookable host rows from its inventory: each known resource given as a whole
+    number of at least 0; anything else (unknown keys, ``None``, a bool) makes no row."""
+    rows: dict[str, int] = {}
+    for name in HOST_RESOURCES:
+        value = resources.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            rows[name] = value
+    return rows
+
+
 async def _bump(conn: Any, pool_ids: list[str]) -> None:
-    # Placers cache a pool's nodes and atoms by this version (see ``placing``).
+    # Placers cache a pool's nodes and atoms by this version (see ``placing``); the per-GPU
+    # share its hosts can give moves with them.
     await conn.execute(
-        "UPDATE pools SET inventory_version = nextval('inventory_versions') WHERE id = ANY(%s)",
+        "UPDATE pools SET inventory_version = nextval('inventory_versions'),"
+        " host_share = coalesce(bc_pool_host_share(id), '{}') WHERE id = ANY(%s)",
         (pool_ids,),
     )
 

@@ -24,9 +24,20 @@ from typing import Any
 from bettercompute.core import ids, placement, pools, states
 from bettercompute.core.durations import to_ms
 from bettercompute.store.caching import Inventory, InventoryCache
-from bettercompute.store.database import Conn, jsonb
+from bettercompute.store.database import Conn, jsonb, script
 
-_NODES = "SELECT id, name, ready, connected, labels FROM nodes WHERE pool_id = %s ORDER BY id"
+# A node's bookable host rows: vcpu less the CPUs the host keeps for itself (the pool's
+# ``policy.hostReserve.vcpu``, default 2), the others as they are.
+_NODES = """
+    SELECT n.id, n.name, n.ready, n.connected, n.labels,
+           (SELECT coalesce(jsonb_object_agg(h.resource, CASE WHEN h.resource = 'vcpu'
+                        THEN greatest(h.capacity - coalesce(
+                                 (p.policy -> 'hostReserve' ->> 'vcpu')::integer, 2), 0)
+                        ELSE h.capacity END), '{}')
+              FROM host_resources h WHERE h.node_id = n.id) AS host
+      FROM nodes n JOIN pools p ON p.id = n.pool_id
+     WHERE n.pool_id = %s ORDER BY n.id
+"""
 _ATOMS = """
     SELECT a.id, a.node_id, a.kind, a.device_id, a.parent_gpu, a.profile, a.numa_node,
            a.nvlink_domain, a.healthy
@@ -48,6 +59,7 @@ async def _inventory(conn: Conn, pool_id: str, version: int) -> Inventory:
             ready=r["ready"],
             connected=r["connected"],
             labels=system_labels(r["labels"]),
+            host={str(k): int(v) for k, v in (r["host"] or {}).items()},
         )
         for r in await (await conn.execute(_NODES, (pool_id,))).fetchall()
     )
@@ -79,8 +91,9 @@ async def snapshot(
 ) -> placement.Snapshot:
     row = await (
         await conn.execute(
-            "SELECT * FROM bc_busy_atoms(%s, %s, %s, %s)",
-            (pool_id, start, end, ignore_reservation),
+            "SELECT b.*, bc_busy_hosts(%s, %s, %s, %s) AS host_busy"
+            " FROM bc_busy_atoms(%s, %s, %s, %s) b",
+            (pool_id, start, end, ignore_reservation) * 2,
         )
     ).fetchone()
     if row is None:
@@ -91,13 +104,21 @@ async def snapshot(
         pool_id=pool_id,
         version=int(row["inventory_version"]),
         busy=row["busy"],
+        host_busy=row["host_busy"],
     )
 
 
 async def snapshot_from(
-    conn: Conn, *, cache: InventoryCache | None, pool_id: str, version: int, busy: list[str]
+    conn: Conn,
+    *,
+    cache: InventoryCache | None,
+    pool_id: str,
+    version: int,
+    busy: list[str],
+    host_busy: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> placement.Snapshot:
-    """A snapshot from the dynamic part already read (``bc_busy_atoms``) and the inventory."""
+    """A snapshot from the dynamic part already read (``bc_busy_atoms``, ``bc_busy_hosts``)
+    and the inventory."""
     inventory = cache.get(pool_id, version) if cache is not None else None
     if inventory is None:
         # Read under the pool lock after the version: an inventory change bumps the version in
@@ -106,7 +127,15 @@ async def snapshot_from(
         inventory = await _inventory(conn, pool_id, version)
         if cache is not None:
             cache.put(pool_id, inventory)
-    return placement.Snapshot(nodes=inventory.nodes, atoms=inventory.atoms, busy=frozenset(busy))
+    return placement.Snapshot(
+        nodes=inventory.nodes,
+        atoms=inventory.atoms,
+        busy=frozenset(busy),
+        host_busy={
+            str(node): {str(k): int(v) for k, v in used.items()}
+            for node, used in (host_busy or {}).items()
+        },
+    )
 
 
 def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:
@@ -154,6 +183,7 @@ async def place(
             atoms=snap.atoms,
             start=start,
             end=end,
+            host=demand.host,
         )
     return outcome
 
@@ -166,8 +196,10 @@ def book_statement(
     atoms: Sequence[placement.Atom],
     start: dt.datetime,
     end: dt.datetime,
+    host: Mapping[str, int] | None = None,
 ) -> tuple[str, tuple[Any, ...]]:
-    """The statement that writes the bookings and one ``planned`` allocation per node."""
+    """The statement that writes the bookings and one ``planned`` allocation per node, and
+    with ``host`` (what each member books of its node's host) the guarded host booking."""
     by_id = {a.id: a for a in atoms}
     alloc_ids: list[str] = []
     devices: list[str] = []  # per allocation, comma-joined: arrays of arrays must be rectangular
@@ -181,22 +213,33 @@ def book_statement(
         atom_lists.append(",".join(member.atom_ids))
         booking_atoms.extend(member.atom_ids)
         booking_allocs.extend([alloc] * len(member.atom_ids))
-    return (
-        "SELECT bc_book(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-        (
-            reservation_id,
-            pool_id,
+    sql = "SELECT bc_book(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    params: tuple[Any, ...] = (
+        reservation_id,
+        pool_id,
+        start,
+        end,
+        alloc_ids,
+        [m.node_id for m in outcome.members],
+        [by_id[m.atom_ids[0]].kind for m in outcome.members],
+        devices,
+        atom_lists,
+        booking_atoms,
+        booking_allocs,
+    )
+    if host and any(host.values()):
+        # The same script, right after the devices: one transaction books both or neither.
+        members = len(alloc_ids)
+        sql += "; SELECT bc_book_host(%s, %s, %s, %s, %s, %s)"
+        params += (
+            alloc_ids,
+            [int(host.get("vcpu", 0))] * members,
+            [int(host.get("memoryGiB", 0))] * members,
+            [int(host.get("hugepages1Gi", 0))] * members,
             start,
             end,
-            alloc_ids,
-            [m.node_id for m in outcome.members],
-            [by_id[m.atom_ids[0]].kind for m in outcome.members],
-            devices,
-            atom_lists,
-            booking_atoms,
-            booking_allocs,
-        ),
-    )
+        )
+    return sql, params
 
 
 async def book(
@@ -208,8 +251,10 @@ async def book(
     atoms: Sequence[placement.Atom],
     start: dt.datetime,
     end: dt.datetime,
+    host: Mapping[str, int] | None = None,
 ) -> None:
-    """Write the bookings and one ``planned`` allocation per node (``bc_book``)."""
+    """Write the bookings and one ``planned`` allocation per node (``bc_book``), and the host
+    booking (``bc_book_host``)."""
     sql, params = book_statement(
         reservation_id=reservation_id,
         pool_id=pool_id,
@@ -217,8 +262,9 @@ async def book(
         atoms=atoms,
         start=start,
         end=end,
+        host=host,
     )
-    await conn.execute(sql, params)
+    await script(conn, sql, params)  # one round trip, client-side bound
 
 
 async def unbook(conn: Conn, *, reservation_id: str) -> None:

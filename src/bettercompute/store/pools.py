@@ -25,6 +25,14 @@ async def read_pool(conn: Conn, *, pool_id: str, tenant_id: str) -> pools.PoolIn
     return None if row is None else pool_info(row)
 
 
+async def host_share(conn: Conn, *, pool_id: str) -> dict[str, Any]:
+    """The per-GPU share the pool's hosts can give (``{}`` when none has host rows)."""
+    row = await (
+        await conn.execute("SELECT host_share FROM pools WHERE id = %s", (pool_id,))
+    ).fetchone()
+    return dict(row["host_share"] or {}) if row is not None else {}
+
+
 def pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
     """A ``PoolInfo`` from a row with the columns of ``_POOL`` (``bc_draft_begin`` has them)."""
     return pools.PoolInfo(

@@ -17,7 +17,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core import durations, errors, placement, pools
+from bettercompute.core import durations, errors, hosts, placement, pools
 from bettercompute.store import clock, placing
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Database
@@ -42,6 +42,10 @@ async def preview(
         if pool is None:
             raise errors.not_found("pool")
         pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
+        # The same host resources a create would book: the request's, or the pool's share.
+        request, share = pools.resolve_host(
+            request, pool=pool, hosts_share=await pool_rows.host_share(conn, pool_id=pool_id)
+        )
         now = await clock.current_time(conn)
         start = now
         if request.get("start") is not None:
@@ -64,6 +68,9 @@ async def preview(
     answer: dict[str, Any] = {
         "poolId": pool_id,
         "during": {"start": durations.to_ms(start), "end": durations.to_ms(end)},
+        # What each node of it would book of its host, and how much of that is the share.
+        "resources": hosts.booked(request),
+        "hostShare": share,
     }
     if isinstance(outcome, placement.NoFit):
         return {
