@@ -6,6 +6,12 @@ lifecycle, outbox, audit). Measured at 1, 8 and 32 concurrent callers on an embe
 (or ``DATABASE_URL``). Each create books one GPU for an hour in a future window that still has
 room, so every create is placed and the pool never runs dry.
 
+Two pools of the same shape, measured level by level in the same minute: ``pool_bench``, whose
+hosts have no host rows (devices only), and ``pool_host``, whose hosts have CPU and memory rows
+and the ``devices.limits`` capability, so each create also books the pool's per-GPU share of
+its host (``docs/host-resources.md``). The last column is host booking's cost: the ratio of
+the two pools' creates per second.
+
     .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64]
 """
 
@@ -23,6 +29,7 @@ from pathlib import Path
 import psycopg
 
 from bettercompute.core import ports
+from bettercompute.core.pools import CAP_DEVICES_LIMITS
 from bettercompute.iam import policies
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
@@ -34,30 +41,39 @@ GPUS_PER_NODE = 8
 HOUR_MS = 3_600_000
 
 
+POOLS = {"pool_bench": False, "pool_host": True}  # pool -> whose hosts have host rows
+
+
 async def setup(db: Database, nodes: int) -> None:
     await inventory.upsert_tenant(db, tenant_id="acme")
-    await inventory.upsert_pool(
-        db, pool_id="pool_bench", owner_tenant_id="acme", region="eu-west-1", gpu_model="H100"
-    )
     await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=10**9)
-    for n in range(nodes):
-        name = f"bench-{n:03d}"
-        await inventory.upsert_node(
-            db,
-            inventory.NodeSpec(
-                id=f"node_{name}",
-                name=name,
-                pool_id="pool_bench",
-                atoms=[
-                    inventory.AtomSpec(
-                        device_id=f"GPU-{name}-{g}",
-                        numa_node=g // 4,
-                        nvlink_domain=f"{name}-nvl{g // 4}",
-                    )
-                    for g in range(GPUS_PER_NODE)
-                ],
-            ),
+    for pool_id, host in POOLS.items():
+        await inventory.upsert_pool(
+            db, pool_id=pool_id, owner_tenant_id="acme", region="eu-west-1", gpu_model="H100"
         )
+        for n in range(nodes):
+            name = f"{pool_id}-{n:03d}"
+            await inventory.upsert_node(
+                db,
+                inventory.NodeSpec(
+                    id=f"node_{name}",
+                    name=name,
+                    pool_id=pool_id,
+                    atoms=[
+                        inventory.AtomSpec(
+                            device_id=f"GPU-{name}-{g}",
+                            numa_node=g // 4,
+                            nvlink_domain=f"{name}-nvl{g // 4}",
+                        )
+                        for g in range(GPUS_PER_NODE)
+                    ],
+                    # 16 CPUs and 128 GiB per GPU, 2 CPUs kept: a share of 15 CPUs, 128 GiB.
+                    resources={"vcpu": 16 * GPUS_PER_NODE + 2, "memoryGiB": 128 * GPUS_PER_NODE}
+                    if host
+                    else {},
+                    labels={CAP_DEVICES_LIMITS: ("true", "system")} if host else {},
+                ),
+            )
 
 
 async def run_level(
@@ -68,6 +84,7 @@ async def run_level(
     counter: itertools.count[int],
     base_ms: int,
     capacity: int,
+    pool_id: str = "pool_bench",
 ) -> tuple[int, float, list[float]]:
     latencies: list[float] = []
     stop_at = time.perf_counter() + seconds
@@ -78,12 +95,12 @@ async def run_level(
             i = next(counter)
             body = {
                 "tenantId": "acme",
-                "poolId": "pool_bench",
+                "poolId": pool_id,
                 "devices": [{"class": "gpu", "count": 1}],
                 "duration": "1h",
                 # A window per `capacity` creates: each one still has a free GPU.
                 "start": base_ms + (i // capacity) * HOUR_MS,
-                "idempotencyKey": f"bench-{i}",
+                "idempotencyKey": f"bench-{pool_id}-{i}",
             }
             t0 = time.perf_counter()
             view = await service.create(who, body)
@@ -133,31 +150,50 @@ async def main() -> None:
             budget=DatabaseBudget(db),
         )
         base_ms = int(time.time() * 1000) + 86_400_000
-        counter = itertools.count()
+        counters = {pool_id: itertools.count() for pool_id in POOLS}
         capacity = args.nodes * GPUS_PER_NODE
         # Warm-up: prepared statements, Cedar, connection pool.
-        await run_level(
-            service, callers=8, seconds=1.0, counter=counter, base_ms=base_ms, capacity=capacity
-        )
-        print(
-            f"admission: full create sequence, 1 GPU x 1h each, pool of {args.nodes} nodes x "
-            f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level"
-        )
-        print(f"{'callers':>8} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
-        for callers in levels:
-            n, elapsed, lat = await run_level(
+        for pool_id in POOLS:
+            await run_level(
                 service,
-                callers=callers,
-                seconds=args.seconds,
-                counter=counter,
+                callers=8,
+                seconds=1.0,
+                counter=counters[pool_id],
                 base_ms=base_ms,
                 capacity=capacity,
+                pool_id=pool_id,
             )
-            print(
-                f"{callers:>8} {n:>8} {n / elapsed:>10.0f} {pct(lat, 50):>8.2f} "
-                f"{pct(lat, 99):>8.2f}",
-                flush=True,
-            )
+        print(
+            f"admission: full create sequence, 1 GPU x 1h each, pools of {args.nodes} nodes x "
+            f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level and pool"
+        )
+        print(
+            f"{'callers':>8} {'pool':>11} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} "
+            f"{'p99 ms':>8} {'host/plain':>10}"
+        )
+        for callers in levels:
+            rates: dict[str, float] = {}
+            for pool_id in POOLS:
+                n, elapsed, lat = await run_level(
+                    service,
+                    callers=callers,
+                    seconds=args.seconds,
+                    counter=counters[pool_id],
+                    base_ms=base_ms,
+                    capacity=capacity,
+                    pool_id=pool_id,
+                )
+                rates[pool_id] = n / elapsed
+                ratio = (
+                    f"{rates[pool_id] / rates['pool_bench']:>10.2f}"
+                    if pool_id == "pool_host"
+                    else ""
+                )
+                print(
+                    f"{callers:>8} {pool_id:>11} {n:>8} {n / elapsed:>10.0f} "
+                    f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}",
+                    flush=True,
+                )
     finally:
         await db.close()
         if server is not None:

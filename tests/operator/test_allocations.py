@@ -53,7 +53,17 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
     assert (spec["nodeName"], spec["class"], spec["binding"]) == (node, "gpu", "kubernetes")
     assert len(spec["deviceIds"]) == 2
     assert spec["release"] is False
-    await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("binding"))
+    # The host share it booked (128 CPUs less 2 kept, and 2048 GiB, over 8 GPUs; 2 GPUs'
+    # worth), as limits, with a cpuset on its GPUs' NUMA node less the reserved CPUs.
+    assert spec["limits"] == {
+        "cpuMillis": 30_000,
+        "memoryBytes": 512 * 2**30,
+        "hugepages1Gi": 0,
+        "cpus": "2-63",
+    }
+    status = (await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("binding")))["status"]
+    assert status["hostShare"] == {"vcpu": 30, "memoryGiB": 512}
+    assert status["resources"] == {"vcpu": 30, "memoryGiB": 512, "hugepages1Gi": 0}
 
     # Another node's report about this allocation is ignored.
     name = allocation["metadata"]["name"]

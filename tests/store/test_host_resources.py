@@ -269,13 +269,22 @@ async def test_the_guard_refuses_what_the_placer_would_never_book(
     await world(db, nodes=1, quotas={"vcpu": 10_000})
     view = await create(service, "first", resources={"vcpu": 40})
     [alloc] = await allocations(db, view["id"])
-    with pytest.raises(psycopg.errors.ExclusionViolation, match="would give more than it has"):
+
+    async def overbook() -> None:
+        # 65 CPUs on a host of 64: what no placement would write.
         async with db.transaction() as conn:
             await conn.execute(
-                "SELECT bc_book_host(ARRAY[%s], ARRAY[65], ARRAY[0], ARRAY[0],"
-                " lower(during), upper(during)) FROM reservations WHERE id = %s",
-                (alloc["id"], view["id"]),
+                "UPDATE bookings SET host_vcpu = 65 WHERE allocation_id = %s AND host_vcpu > 0",
+                (alloc["id"],),
             )
+            await conn.execute(
+                "SELECT bc_check_hosts(pool_id, ARRAY[%s], lower(during), upper(during))"
+                " FROM reservations WHERE id = %s",
+                (alloc["node_id"], view["id"]),
+            )
+
+    with pytest.raises(psycopg.errors.ExclusionViolation, match="would give more than it has"):
+        await overbook()
     assert (await host_booked(db, view["id"]))[0][1] == 40
 
 

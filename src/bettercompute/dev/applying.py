@@ -84,6 +84,7 @@ def node_spec(node: SimNode) -> NodeSpec:
         labels={key: (value, "system") for key, value in node.labels.items()},
         ready=True,
         connected=True,
+        resources=dict(node.host),
     )
 
 

@@ -35,6 +35,8 @@ PROJECTED = (
     "version",
     "leaseExpiresAt",
     "resourceName",
+    "resources",
+    "hostShare",
     "observedGeneration",
 )
 
@@ -121,6 +123,9 @@ def reservation_status(
             "version": view.get("version"),
             "leaseExpiresAt": view.get("leaseExpiresAt"),
             "resourceName": view.get("resourceName"),
+            # What each node books of its host, and the part that is the pool's share.
+            "resources": (view.get("request") or {}).get("resources") or None,
+            "hostShare": view.get("hostShare"),
         }
     )
     if refused is not None:

@@ -15,6 +15,7 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bettercompute.core import pools
 
@@ -32,6 +33,11 @@ MODEL_LABEL = "nvidia.com/gpu.product"
 
 #: A GPU has seven compute slices to split into MIG instances.
 MIG_SLICES_PER_GPU = 7
+
+#: A simulated host's CPUs and memory per GPU, as a typical 8-GPU server has them (128 CPUs,
+#: 1 TiB): bookable host rows, so ``dev`` books host resources like a real cluster.
+VCPU_PER_GPU = 16
+MEMORY_GIB_PER_GPU = 128
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class SimNode:
     atoms: tuple[SimAtom, ...]
     #: key -> value, all advertised by the (simulated) daemon, so their source is ``system``.
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: The host's inventory: ``vcpu``, ``memoryGiB`` and ``numaNodes`` (cpulists, memory).
+    host: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -141,7 +149,20 @@ def node(
         model=model,
         atoms=tuple(atoms),
         labels=all_labels,
+        host=host_inventory(gpus=gpus, numa_nodes=numa_nodes),
     )
+
+
+def host_inventory(*, gpus: int, numa_nodes: int) -> dict[str, Any]:
+    """A host of ``gpus`` GPUs: ``VCPU_PER_GPU`` CPUs and ``MEMORY_GIB_PER_GPU`` GiB per GPU,
+    split evenly over its NUMA nodes (CPUs numbered in order)."""
+    vcpu, memory = gpus * VCPU_PER_GPU, gpus * MEMORY_GIB_PER_GPU
+    count = max(1, numa_nodes)
+    numa = []
+    for i in range(count):
+        first, last = i * vcpu // count, (i + 1) * vcpu // count - 1
+        numa.append({"id": i, "cpus": f"{first}-{last}", "memoryGiB": memory // count})
+    return {"vcpu": vcpu, "memoryGiB": memory, "numaNodes": numa}
 
 
 def name_stem(*, pool_id: str, prefix: str | None = None) -> str:

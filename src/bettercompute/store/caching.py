@@ -8,7 +8,8 @@ is exactly current. Never shared between databases; no module-level state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from bettercompute.core import placement
 
@@ -18,6 +19,8 @@ class Inventory:
     version: int
     nodes: tuple[placement.Node, ...]
     atoms: tuple[placement.Atom, ...]
+    #: Atom id -> its node, to put the hosts' use (read per booked atom) on its nodes.
+    node_of: Mapping[str, str] = field(default_factory=dict)
 
 
 class InventoryCache:

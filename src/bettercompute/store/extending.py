@@ -236,9 +236,10 @@ async def extend_commit(
                 )
                 # Its hosts must give its CPUs and memory for the added time too.
                 await conn.execute(
-                    "SELECT bc_check_hosts(ARRAY(SELECT id FROM allocations"
-                    " WHERE reservation_id = %s), %s, %s)",
-                    (reservation_id, old_end, new_end),
+                    "SELECT bc_check_hosts(r.pool_id, ARRAY(SELECT a.node_id FROM allocations a"
+                    " WHERE a.reservation_id = r.id AND a.host_vcpu + a.host_memory_gib"
+                    " + a.host_hugepages_1gi > 0), %s, %s) FROM reservations r WHERE r.id = %s",
+                    (old_end, new_end, reservation_id),
                 )
         except psycopg.errors.ExclusionViolation:
             available = await (

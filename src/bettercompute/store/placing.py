@@ -24,7 +24,7 @@ from typing import Any
 from bettercompute.core import ids, placement, pools, states
 from bettercompute.core.durations import to_ms
 from bettercompute.store.caching import Inventory, InventoryCache
-from bettercompute.store.database import Conn, jsonb, script
+from bettercompute.store.database import Conn, jsonb
 
 # A node's bookable host rows: vcpu less the CPUs the host keeps for itself (the pool's
 # ``policy.hostReserve.vcpu``, default 2), the others as they are.
@@ -77,7 +77,9 @@ async def _inventory(conn: Conn, pool_id: str, version: int) -> Inventory:
         )
         for r in await (await conn.execute(_ATOMS, (pool_id,))).fetchall()
     )
-    return Inventory(version=version, nodes=nodes, atoms=atoms)
+    return Inventory(
+        version=version, nodes=nodes, atoms=atoms, node_of={a.id: a.node_id for a in atoms}
+    )
 
 
 async def snapshot(
@@ -115,7 +117,7 @@ async def snapshot_from(
     pool_id: str,
     version: int,
     busy: list[str],
-    host_busy: Mapping[str, Mapping[str, Any]] | None = None,
+    host_busy: list[list[Any]] | None = None,
 ) -> placement.Snapshot:
     """A snapshot from the dynamic part already read (``bc_busy_atoms``, ``bc_busy_hosts``)
     and the inventory."""
@@ -131,11 +133,24 @@ async def snapshot_from(
         nodes=inventory.nodes,
         atoms=inventory.atoms,
         busy=frozenset(busy),
-        host_busy={
-            str(node): {str(k): int(v) for k, v in used.items()}
-            for node, used in (host_busy or {}).items()
-        },
+        host_busy=_host_use(host_busy or [], inventory.node_of),
     )
+
+
+def _host_use(bookings: list[list[Any]], node_of: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Per node, what the bookings ``[atom, vcpu, memoryGiB, hugepages1Gi]`` book of its host.
+    A booking of an atom the inventory no longer has is counted nowhere: the atom is gone, and
+    with it the node's share of the pool."""
+    use: dict[str, dict[str, int]] = {}
+    for atom, vcpu, memory, hugepages in bookings:
+        node = node_of.get(atom)
+        if node is None:
+            continue
+        mine = use.setdefault(node, {"vcpu": 0, "memoryGiB": 0, "hugepages1Gi": 0})
+        mine["vcpu"] += int(vcpu)
+        mine["memoryGiB"] += int(memory)
+        mine["hugepages1Gi"] += int(hugepages)
+    return use
 
 
 def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:
@@ -228,16 +243,13 @@ def book_statement(
         booking_allocs,
     )
     if host and any(host.values()):
-        # The same script, right after the devices: one transaction books both or neither.
+        # The same statement books each member's share of its host and checks the nodes.
         members = len(alloc_ids)
-        sql += "; SELECT bc_book_host(%s, %s, %s, %s, %s, %s)"
+        sql = "SELECT bc_book(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
         params += (
-            alloc_ids,
             [int(host.get("vcpu", 0))] * members,
             [int(host.get("memoryGiB", 0))] * members,
             [int(host.get("hugepages1Gi", 0))] * members,
-            start,
-            end,
         )
     return sql, params
 
@@ -253,8 +265,8 @@ async def book(
     end: dt.datetime,
     host: Mapping[str, int] | None = None,
 ) -> None:
-    """Write the bookings and one ``planned`` allocation per node (``bc_book``), and the host
-    booking (``bc_book_host``)."""
+    """Write the bookings and one ``planned`` allocation per node, with what each books of its
+    host (``bc_book``)."""
     sql, params = book_statement(
         reservation_id=reservation_id,
         pool_id=pool_id,
@@ -264,7 +276,7 @@ async def book(
         end=end,
         host=host,
     )
-    await script(conn, sql, params)  # one round trip, client-side bound
+    await conn.execute(sql, params)
 
 
 async def unbook(conn: Conn, *, reservation_id: str) -> None:

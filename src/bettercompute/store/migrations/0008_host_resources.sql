@@ -5,13 +5,16 @@
 -- inventory last said, rewritten in the same transaction as the node (store/inventory.py): a
 -- new or re-inventoried node is bookable at once, and a node without rows books none.
 --
--- An allocation's host_* columns are what it books on its node. Its time is its bookings'
--- time (the device bookings' `during`, which release and extend already move), so a host
--- booking can never outlive or precede its devices'. No constraint can say "the sum of
--- overlapping bookings stays within capacity"; bc_check_hosts is the guard instead, run by every
--- statement that books host resources or moves their time (bc_book_host, extend): under the
--- pool lock every booking of the node takes, it raises exclusion_violation (like the bookings'
--- EXCLUDE) when a node would give more than it has.
+-- What an allocation books of its node's host is written twice: on the allocation (host_*,
+-- what its node is told as limits) and on the first of its device bookings (host_*, 0 on the
+-- others), so its time is its devices' time (release and extend move `during`, and with it
+-- the host booking, which can never outlive or precede its devices) and the use of a host in a
+-- window is read in the same scan of the pool's bookings that finds the busy atoms. No
+-- constraint can say "the sum of overlapping bookings stays within capacity"; bc_check_hosts is
+-- the guard instead, run by every statement that books host resources or moves their time
+-- (bc_book with host arrays, extend): under the pool lock every booking of the node takes, it
+-- raises exclusion_violation (like the bookings' EXCLUDE) when a node would give more than it
+-- has.
 
 CREATE TABLE host_resources (
     node_id   text NOT NULL REFERENCES nodes (id) ON DELETE CASCADE,
@@ -25,48 +28,46 @@ ALTER TABLE allocations
     ADD COLUMN host_vcpu integer NOT NULL DEFAULT 0 CHECK (host_vcpu >= 0),
     ADD COLUMN host_memory_gib integer NOT NULL DEFAULT 0 CHECK (host_memory_gib >= 0),
     ADD COLUMN host_hugepages_1gi integer NOT NULL DEFAULT 0 CHECK (host_hugepages_1gi >= 0);
+ALTER TABLE bookings
+    ADD COLUMN host_vcpu integer NOT NULL DEFAULT 0 CHECK (host_vcpu >= 0),
+    ADD COLUMN host_memory_gib integer NOT NULL DEFAULT 0 CHECK (host_memory_gib >= 0),
+    ADD COLUMN host_hugepages_1gi integer NOT NULL DEFAULT 0 CHECK (host_hugepages_1gi >= 0);
 
 -- The per-GPU share the pool's hosts can give (vcpu, memoryGiB), kept with the inventory.
 ALTER TABLE pools ADD COLUMN host_share jsonb NOT NULL DEFAULT '{}';
 
--- What the other reservations book of each node's host in [p_start, p_end):
--- {node: {vcpu, memoryGiB, hugepages1Gi}}. Overlapping bookings are summed whether or not they
--- overlap each other: never more generous than the truth.
+-- What the other reservations book of hosts in [p_start, p_end): [[atom, vcpu, memoryGiB,
+-- hugepages1Gi], …] for each booking that carries a host booking (the placer knows each atom's
+-- node). Overlapping bookings are summed whether or not they overlap each other: never more
+-- generous than the truth.
 CREATE FUNCTION bc_busy_hosts(p_pool text, p_start timestamptz, p_end timestamptz, p_rid text)
 RETURNS jsonb LANGUAGE sql STABLE AS $$
-    SELECT coalesce(jsonb_object_agg(u.node_id, jsonb_build_object(
-               'vcpu', u.vcpu, 'memoryGiB', u.memory, 'hugepages1Gi', u.hugepages)), '{}')
-      FROM (SELECT a.node_id, sum(a.host_vcpu) AS vcpu, sum(a.host_memory_gib) AS memory,
-                   sum(a.host_hugepages_1gi) AS hugepages
-              FROM allocations a
-             WHERE a.id IN (SELECT b.allocation_id FROM bookings b
-                             WHERE b.pool_id = p_pool AND b.during && tstzrange(p_start, p_end)
-                               AND b.reservation_id <> p_rid)
-               AND a.host_vcpu + a.host_memory_gib + a.host_hugepages_1gi > 0
-             GROUP BY a.node_id) u
+    SELECT coalesce(jsonb_agg(jsonb_build_array(b.atom_id, b.host_vcpu, b.host_memory_gib,
+                                                b.host_hugepages_1gi)), '[]')
+      FROM bookings b
+     WHERE b.pool_id = p_pool AND b.during && tstzrange(p_start, p_end)
+       AND b.reservation_id <> p_rid
+       AND b.host_vcpu + b.host_memory_gib + b.host_hugepages_1gi > 0
 $$;
 
--- Whether every node the allocations p_alloc_ids are on can give what all allocations
--- overlapping [p_start, p_end) book there, each resource on its own; raises
--- exclusion_violation (like the bookings' EXCLUDE) when one cannot. The caller holds the pool
+-- Whether every node of p_nodes can give what all allocations overlapping [p_start, p_end)
+-- book there, each resource on its own; raises exclusion_violation (like the bookings' EXCLUDE)
+-- when one cannot. Every host booking rides on a device booking of an atom of its node, found
+-- through the bookings' EXCLUDE index: a few index probes per atom. The caller holds the pool
 -- lock, which every booking of those nodes takes.
-CREATE FUNCTION bc_check_hosts(p_alloc_ids text[], p_start timestamptz, p_end timestamptz)
+CREATE FUNCTION bc_check_hosts(
+    p_pool text, p_nodes text[], p_start timestamptz, p_end timestamptz)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     over record;
 BEGIN
     SELECT u.node_id, u.vcpu, u.memory, u.hugepages INTO over
-      FROM (SELECT a.node_id, sum(a.host_vcpu) AS vcpu, sum(a.host_memory_gib) AS memory,
-                   sum(a.host_hugepages_1gi) AS hugepages
-              FROM allocations a
-             WHERE a.node_id IN (SELECT x.node_id FROM allocations x
-                                  WHERE x.id = ANY(p_alloc_ids)
-                                    AND x.host_vcpu + x.host_memory_gib
-                                        + x.host_hugepages_1gi > 0)
-               AND a.host_vcpu + a.host_memory_gib + a.host_hugepages_1gi > 0
-               AND EXISTS (SELECT 1 FROM bookings b WHERE b.allocation_id = a.id
-                              AND b.during && tstzrange(p_start, p_end))
-             GROUP BY a.node_id) u
+      FROM (SELECT t.node_id, sum(b.host_vcpu) AS vcpu, sum(b.host_memory_gib) AS memory,
+                   sum(b.host_hugepages_1gi) AS hugepages
+              FROM atoms t JOIN bookings b ON b.atom_id = t.id
+             WHERE t.node_id = ANY(p_nodes) AND b.during && tstzrange(p_start, p_end)
+               AND b.host_vcpu + b.host_memory_gib + b.host_hugepages_1gi > 0
+             GROUP BY t.node_id) u
       LEFT JOIN host_resources v ON v.node_id = u.node_id AND v.resource = 'vcpu'
       LEFT JOIN host_resources m ON m.node_id = u.node_id AND m.resource = 'memoryGiB'
       LEFT JOIN host_resources g ON g.node_id = u.node_id AND g.resource = 'hugepages1Gi'
@@ -81,17 +82,35 @@ BEGIN
     END IF;
 END $$;
 
--- Book host resources on allocations just written by bc_book, then check their nodes.
-CREATE FUNCTION bc_book_host(
-    p_alloc_ids text[], p_vcpu integer[], p_memory integer[], p_hugepages integer[],
-    p_start timestamptz, p_end timestamptz)
+-- Book a placement with host resources: bc_book's allocations carry what each books of its
+-- node's host (p_vcpu, p_memory, p_hugepages, per allocation), then the nodes are checked.
+CREATE FUNCTION bc_book(
+    p_rid text, p_pool text, p_start timestamptz, p_end timestamptz, p_alloc_ids text[],
+    p_nodes text[], p_classes text[], p_devices text[], p_atoms text[],
+    p_booking_atoms text[], p_booking_allocs text[], p_vcpu integer[], p_memory integer[],
+    p_hugepages integer[])
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE allocations a
-       SET host_vcpu = h.vcpu, host_memory_gib = h.memory, host_hugepages_1gi = h.hugepages
-      FROM unnest(p_alloc_ids, p_vcpu, p_memory, p_hugepages) AS h(id, vcpu, memory, hugepages)
-     WHERE a.id = h.id;
-    PERFORM bc_check_hosts(p_alloc_ids, p_start, p_end);
+    INSERT INTO allocations (id, reservation_id, node_id, device_class, device_ids, atom_ids,
+                             until, host_vcpu, host_memory_gib, host_hugepages_1gi)
+    SELECT a.id, p_rid, a.node, a.class, string_to_array(a.devices, ','),
+           string_to_array(a.atoms, ','), p_end, a.vcpu, a.memory, a.hugepages
+      FROM unnest(p_alloc_ids, p_nodes, p_classes, p_devices, p_atoms, p_vcpu, p_memory,
+                  p_hugepages) AS a(id, node, class, devices, atoms, vcpu, memory, hugepages);
+    -- The host booking rides on each allocation's first device booking.
+    INSERT INTO bookings (atom_id, reservation_id, allocation_id, pool_id, during, host_vcpu,
+                          host_memory_gib, host_hugepages_1gi)
+    SELECT b.atom, p_rid, b.alloc, p_pool, tstzrange(p_start, p_end),
+           CASE WHEN b.first THEN h.vcpu ELSE 0 END,
+           CASE WHEN b.first THEN h.memory ELSE 0 END,
+           CASE WHEN b.first THEN h.hugepages ELSE 0 END
+      FROM (SELECT x.atom, x.alloc,
+                   x.n = min(x.n) OVER (PARTITION BY x.alloc) AS first
+              FROM unnest(p_booking_atoms, p_booking_allocs) WITH ORDINALITY AS x(atom, alloc, n)
+           ) b
+      JOIN unnest(p_alloc_ids, p_vcpu, p_memory, p_hugepages) AS h(id, vcpu, memory, hugepages)
+        ON h.id = b.alloc;
+    PERFORM bc_check_hosts(p_pool, p_nodes, p_start, p_end);
 END $$;
 
 -- The smallest per-GPU share any GPU host of the pool can give: its rows (vcpu less the pool's
@@ -117,9 +136,10 @@ CREATE FUNCTION bc_pool_host_share(p_pool text) RETURNS jsonb LANGUAGE sql STABL
      WHERE h.gpus > 0
 $$;
 
--- Transaction 2, first step, with what other reservations book of each host in the window
--- (host_busy). The ten-argument form stays for replicas of the previous version during a
--- rolling upgrade.
+-- Transaction 2, first step, with what other reservations book of hosts in the window
+-- (host_busy, when p_hosts, as bc_busy_hosts gives it): one scan of the pool's bookings in the
+-- window gives the busy atoms and the hosts' use. The ten-argument form stays for replicas of the previous version during
+-- a rolling upgrade.
 CREATE FUNCTION bc_admission_begin(
     p_idem text, p_claim text, p_pool text, p_tenant text, p_resources text[],
     p_amounts bigint[], p_requested timestamptz, p_duration interval, p_rid text,
@@ -129,15 +149,51 @@ RETURNS TABLE (mine boolean, state text, budget_short jsonb, quota_short jsonb,
                inventory_version bigint, busy text[], host_busy jsonb)
 LANGUAGE plpgsql AS $$
 DECLARE
-    b record;
+    v_mine boolean;
+    v_state text;
+    v_budget jsonb;
+    v_short jsonb;
+    v_now timestamptz;
+    v_start timestamptz;
 BEGIN
-    SELECT * INTO b
-      FROM bc_admission_begin(p_idem, p_claim, p_pool, p_tenant, p_resources, p_amounts,
-                              p_requested, p_duration, p_rid, p_budget_hours);
-    -- A statement of its own, so its snapshot is taken after the pool lock was granted.
+    SELECT i.claim = p_claim, r.state INTO v_mine, v_state
+      FROM idempotency i JOIN reservations r ON r.id = i.reservation_id
+     WHERE i.id = p_idem FOR UPDATE OF i, r;
+    IF NOT coalesce(v_mine, false) OR v_state NOT IN ('draft', 'awaiting-confirmation') THEN
+        RETURN QUERY SELECT false, v_state, NULL::jsonb, NULL::jsonb, NULL::timestamptz,
+                            NULL::timestamptz, NULL::timestamptz, NULL::bigint, NULL::text[],
+                            NULL::jsonb;
+        RETURN;
+    END IF;
+    -- Lock order, everywhere: the budget, the pool, then reservation rows, then quota rows.
+    -- The draft's rows are the one exception, safe because nothing else waits on a draft.
+    IF p_budget_hours IS NOT NULL THEN
+        v_budget := bc_budget_lock_check(p_tenant, p_budget_hours);
+        IF v_budget IS NOT NULL THEN
+            RETURN QUERY SELECT true, v_state, v_budget, NULL::jsonb, NULL::timestamptz,
+                                NULL::timestamptz, NULL::timestamptz, NULL::bigint,
+                                NULL::text[], NULL::jsonb;
+            RETURN;
+        END IF;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_pool, 0));
+    v_short := bc_charge_quota(p_tenant, p_resources, p_amounts);
+    v_now := compute_now();
+    v_start := greatest(v_now, coalesce(p_requested, v_now));
+    -- A statement of its own, after the lock: its snapshot sees every booking committed before.
     RETURN QUERY
-    SELECT b.mine, b.state, b.budget_short, b.quota_short, b.now_, b.start_, b.end_,
-           b.inventory_version, b.busy,
-           CASE WHEN p_hosts AND b.start_ IS NOT NULL
-                THEN bc_busy_hosts(p_pool, b.start_, b.end_, p_rid) ELSE '{}'::jsonb END;
+    WITH w AS MATERIALIZED (
+        SELECT b.atom_id, b.host_vcpu, b.host_memory_gib, b.host_hugepages_1gi FROM bookings b
+         WHERE b.pool_id = p_pool AND b.during && tstzrange(v_start, v_start + p_duration)
+           AND b.reservation_id <> p_rid
+    )
+    SELECT true, v_state, NULL::jsonb, v_short, v_now, v_start, v_start + p_duration,
+           p.inventory_version, ARRAY(SELECT DISTINCT w.atom_id FROM w),
+           CASE WHEN p_hosts THEN (
+               SELECT coalesce(jsonb_agg(jsonb_build_array(w.atom_id, w.host_vcpu,
+                                                           w.host_memory_gib,
+                                                           w.host_hugepages_1gi)), '[]')
+                 FROM w WHERE w.host_vcpu + w.host_memory_gib + w.host_hugepages_1gi > 0)
+           ELSE '[]'::jsonb END
+      FROM pools p WHERE p.id = p_pool;
 END $$;
