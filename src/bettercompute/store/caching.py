@@ -8,8 +8,7 @@ is exactly current. Never shared between databases; no module-level state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bettercompute.core import placement
 
@@ -19,8 +18,6 @@ class Inventory:
     version: int
     nodes: tuple[placement.Node, ...]
     atoms: tuple[placement.Atom, ...]
-    #: Atom id -> its node, to put the hosts' use (read per booked atom) on its nodes.
-    node_of: Mapping[str, str] = field(default_factory=dict)
 
 
 class InventoryCache:

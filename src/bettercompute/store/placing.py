@@ -77,9 +77,7 @@ async def _inventory(conn: Conn, pool_id: str, version: int) -> Inventory:
         )
         for r in await (await conn.execute(_ATOMS, (pool_id,))).fetchall()
     )
-    return Inventory(
-        version=version, nodes=nodes, atoms=atoms, node_of={a.id: a.node_id for a in atoms}
-    )
+    return Inventory(version=version, nodes=nodes, atoms=atoms)
 
 
 async def snapshot(
@@ -117,7 +115,7 @@ async def snapshot_from(
     pool_id: str,
     version: int,
     busy: list[str],
-    host_busy: list[list[Any]] | None = None,
+    host_busy: Mapping[str, list[int]] | None = None,
 ) -> placement.Snapshot:
     """A snapshot from the dynamic part already read (``bc_busy_atoms``, ``bc_busy_hosts``)
     and the inventory."""
@@ -133,24 +131,17 @@ async def snapshot_from(
         nodes=inventory.nodes,
         atoms=inventory.atoms,
         busy=frozenset(busy),
-        host_busy=_host_use(host_busy or [], inventory.node_of),
+        host_busy=_host_use(host_busy or {}),
     )
 
 
-def _host_use(bookings: list[list[Any]], node_of: Mapping[str, str]) -> dict[str, dict[str, int]]:
-    """Per node, what the bookings ``[atom, vcpu, memoryGiB, hugepages1Gi]`` book of its host.
-    A booking of an atom the inventory no longer has is counted nowhere: the atom is gone, and
-    with it the node's share of the pool."""
-    use: dict[str, dict[str, int]] = {}
-    for atom, vcpu, memory, hugepages in bookings:
-        node = node_of.get(atom)
-        if node is None:
-            continue
-        mine = use.setdefault(node, {"vcpu": 0, "memoryGiB": 0, "hugepages1Gi": 0})
-        mine["vcpu"] += int(vcpu)
-        mine["memoryGiB"] += int(memory)
-        mine["hugepages1Gi"] += int(hugepages)
-    return use
+def _host_use(busy: Mapping[str, list[int]]) -> dict[str, dict[str, int]]:
+    """Per node, what other reservations book of its host (``{node: [vcpu, memoryGiB,
+    hugepages1Gi]}`` as ``bc_busy_hosts`` sums it)."""
+    return {
+        str(node): {"vcpu": int(v), "memoryGiB": int(m), "hugepages1Gi": int(h)}
+        for node, (v, m, h) in busy.items()
+    }
 
 
 def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:

@@ -6,15 +6,15 @@
 -- new or re-inventoried node is bookable at once, and a node without rows books none.
 --
 -- What an allocation books of its node's host is written twice: on the allocation (host_*,
--- what its node is told as limits) and on the first of its device bookings (host_*, 0 on the
--- others), so its time is its devices' time (release and extend move `during`, and with it
--- the host booking, which can never outlive or precede its devices) and the use of a host in a
--- window is read in the same scan of the pool's bookings that finds the busy atoms. No
--- constraint can say "the sum of overlapping bookings stays within capacity"; bc_check_hosts is
--- the guard instead, run by every statement that books host resources or moves their time
--- (bc_book with host arrays, extend): under the pool lock every booking of the node takes, it
--- raises exclusion_violation (like the bookings' EXCLUDE) when a node would give more than it
--- has.
+-- what its node is told as limits) and on the first of its device bookings (host_node and
+-- host_*; NULL and 0 on the others), so its time is its devices' time (release and extend move
+-- `during`, and with it the host booking, which can never outlive or precede its devices) and
+-- the use of each host in a window is summed in the same scan of the pool's bookings that finds
+-- the busy atoms. No constraint can say "the sum of overlapping bookings stays within
+-- capacity"; bc_check_hosts is the guard instead, run by every statement that books host
+-- resources or moves their time (bc_book with host arrays, extend): under the pool lock every
+-- booking of the node takes, it raises exclusion_violation (like the bookings' EXCLUDE) when a
+-- node would give more than it has.
 
 CREATE TABLE host_resources (
     node_id   text NOT NULL REFERENCES nodes (id) ON DELETE CASCADE,
@@ -29,32 +29,37 @@ ALTER TABLE allocations
     ADD COLUMN host_memory_gib integer NOT NULL DEFAULT 0 CHECK (host_memory_gib >= 0),
     ADD COLUMN host_hugepages_1gi integer NOT NULL DEFAULT 0 CHECK (host_hugepages_1gi >= 0);
 ALTER TABLE bookings
+    ADD COLUMN host_node text,
     ADD COLUMN host_vcpu integer NOT NULL DEFAULT 0 CHECK (host_vcpu >= 0),
     ADD COLUMN host_memory_gib integer NOT NULL DEFAULT 0 CHECK (host_memory_gib >= 0),
     ADD COLUMN host_hugepages_1gi integer NOT NULL DEFAULT 0 CHECK (host_hugepages_1gi >= 0);
 
 -- The per-GPU share the pool's hosts can give (vcpu, memoryGiB), kept with the inventory.
+-- A node's host bookings in a window, for the guard: one probe per node.
+CREATE INDEX bookings_host_node ON bookings USING gist (host_node, during)
+    WHERE host_node IS NOT NULL;
+
 ALTER TABLE pools ADD COLUMN host_share jsonb NOT NULL DEFAULT '{}';
 
--- What the other reservations book of hosts in [p_start, p_end): [[atom, vcpu, memoryGiB,
--- hugepages1Gi], …] for each booking that carries a host booking (the placer knows each atom's
--- node). Overlapping bookings are summed whether or not they overlap each other: never more
--- generous than the truth.
+-- What the other reservations book of each host in [p_start, p_end): {node: [vcpu, memoryGiB,
+-- hugepages1Gi]}. Overlapping bookings are summed whether or not they overlap each other: never
+-- more generous than the truth.
 CREATE FUNCTION bc_busy_hosts(p_pool text, p_start timestamptz, p_end timestamptz, p_rid text)
 RETURNS jsonb LANGUAGE sql STABLE AS $$
-    SELECT coalesce(jsonb_agg(jsonb_build_array(b.atom_id, b.host_vcpu, b.host_memory_gib,
-                                                b.host_hugepages_1gi)), '[]')
-      FROM bookings b
-     WHERE b.pool_id = p_pool AND b.during && tstzrange(p_start, p_end)
-       AND b.reservation_id <> p_rid
-       AND b.host_vcpu + b.host_memory_gib + b.host_hugepages_1gi > 0
+    SELECT coalesce(jsonb_object_agg(u.node, jsonb_build_array(u.vcpu, u.memory, u.hugepages)),
+                    '{}')
+      FROM (SELECT b.host_node AS node, sum(b.host_vcpu) AS vcpu,
+                   sum(b.host_memory_gib) AS memory, sum(b.host_hugepages_1gi) AS hugepages
+              FROM bookings b
+             WHERE b.pool_id = p_pool AND b.during && tstzrange(p_start, p_end)
+               AND b.reservation_id <> p_rid AND b.host_node IS NOT NULL
+             GROUP BY b.host_node) u
 $$;
 
 -- Whether every node of p_nodes can give what all allocations overlapping [p_start, p_end)
 -- book there, each resource on its own; raises exclusion_violation (like the bookings' EXCLUDE)
--- when one cannot. Every host booking rides on a device booking of an atom of its node, found
--- through the bookings' EXCLUDE index: a few index probes per atom. The caller holds the pool
--- lock, which every booking of those nodes takes.
+-- when one cannot (through bookings_host_node: one index probe per node). The caller holds the
+-- pool lock, which every booking of those nodes takes.
 CREATE FUNCTION bc_check_hosts(
     p_pool text, p_nodes text[], p_start timestamptz, p_end timestamptz)
 RETURNS void LANGUAGE plpgsql AS $$
@@ -62,12 +67,12 @@ DECLARE
     over record;
 BEGIN
     SELECT u.node_id, u.vcpu, u.memory, u.hugepages INTO over
-      FROM (SELECT t.node_id, sum(b.host_vcpu) AS vcpu, sum(b.host_memory_gib) AS memory,
-                   sum(b.host_hugepages_1gi) AS hugepages
-              FROM atoms t JOIN bookings b ON b.atom_id = t.id
-             WHERE t.node_id = ANY(p_nodes) AND b.during && tstzrange(p_start, p_end)
-               AND b.host_vcpu + b.host_memory_gib + b.host_hugepages_1gi > 0
-             GROUP BY t.node_id) u
+      FROM (SELECT b.host_node AS node_id, sum(b.host_vcpu) AS vcpu,
+                   sum(b.host_memory_gib) AS memory, sum(b.host_hugepages_1gi) AS hugepages
+              FROM bookings b
+             WHERE b.host_node = ANY(p_nodes) AND b.during && tstzrange(p_start, p_end)
+               AND b.host_node IS NOT NULL
+             GROUP BY b.host_node) u
       LEFT JOIN host_resources v ON v.node_id = u.node_id AND v.resource = 'vcpu'
       LEFT JOIN host_resources m ON m.node_id = u.node_id AND m.resource = 'memoryGiB'
       LEFT JOIN host_resources g ON g.node_id = u.node_id AND g.resource = 'hugepages1Gi'
@@ -98,9 +103,10 @@ BEGIN
       FROM unnest(p_alloc_ids, p_nodes, p_classes, p_devices, p_atoms, p_vcpu, p_memory,
                   p_hugepages) AS a(id, node, class, devices, atoms, vcpu, memory, hugepages);
     -- The host booking rides on each allocation's first device booking.
-    INSERT INTO bookings (atom_id, reservation_id, allocation_id, pool_id, during, host_vcpu,
-                          host_memory_gib, host_hugepages_1gi)
+    INSERT INTO bookings (atom_id, reservation_id, allocation_id, pool_id, during, host_node,
+                          host_vcpu, host_memory_gib, host_hugepages_1gi)
     SELECT b.atom, p_rid, b.alloc, p_pool, tstzrange(p_start, p_end),
+           CASE WHEN b.first THEN h.node END,
            CASE WHEN b.first THEN h.vcpu ELSE 0 END,
            CASE WHEN b.first THEN h.memory ELSE 0 END,
            CASE WHEN b.first THEN h.hugepages ELSE 0 END
@@ -108,8 +114,8 @@ BEGIN
                    x.n = min(x.n) OVER (PARTITION BY x.alloc) AS first
               FROM unnest(p_booking_atoms, p_booking_allocs) WITH ORDINALITY AS x(atom, alloc, n)
            ) b
-      JOIN unnest(p_alloc_ids, p_vcpu, p_memory, p_hugepages) AS h(id, vcpu, memory, hugepages)
-        ON h.id = b.alloc;
+      JOIN unnest(p_alloc_ids, p_nodes, p_vcpu, p_memory, p_hugepages)
+           AS h(id, node, vcpu, memory, hugepages) ON h.id = b.alloc;
     PERFORM bc_check_hosts(p_pool, p_nodes, p_start, p_end);
 END $$;
 
@@ -183,17 +189,20 @@ BEGIN
     -- A statement of its own, after the lock: its snapshot sees every booking committed before.
     RETURN QUERY
     WITH w AS MATERIALIZED (
-        SELECT b.atom_id, b.host_vcpu, b.host_memory_gib, b.host_hugepages_1gi FROM bookings b
+        SELECT b.atom_id, b.host_node, b.host_vcpu, b.host_memory_gib, b.host_hugepages_1gi
+          FROM bookings b
          WHERE b.pool_id = p_pool AND b.during && tstzrange(v_start, v_start + p_duration)
            AND b.reservation_id <> p_rid
     )
     SELECT true, v_state, NULL::jsonb, v_short, v_now, v_start, v_start + p_duration,
            p.inventory_version, ARRAY(SELECT DISTINCT w.atom_id FROM w),
            CASE WHEN p_hosts THEN (
-               SELECT coalesce(jsonb_agg(jsonb_build_array(w.atom_id, w.host_vcpu,
-                                                           w.host_memory_gib,
-                                                           w.host_hugepages_1gi)), '[]')
-                 FROM w WHERE w.host_vcpu + w.host_memory_gib + w.host_hugepages_1gi > 0)
-           ELSE '[]'::jsonb END
+               SELECT coalesce(jsonb_object_agg(u.node, jsonb_build_array(u.vcpu, u.memory,
+                                                                          u.hugepages)), '{}')
+                 FROM (SELECT w.host_node AS node, sum(w.host_vcpu) AS vcpu,
+                              sum(w.host_memory_gib) AS memory,
+                              sum(w.host_hugepages_1gi) AS hugepages
+                         FROM w WHERE w.host_node IS NOT NULL GROUP BY w.host_node) u)
+           ELSE '{}'::jsonb END
       FROM pools p WHERE p.id = p_pool;
 END $$;
