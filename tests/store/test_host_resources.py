@@ -21,7 +21,7 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired, inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller
-from tests.store.test_lifecycle import activate, allocations, get, run
+from tests.store.test_lifecycle import activate, allocations, get, node_again, run
 from tests.support.world import World
 
 H100 = "gpu:H100"
@@ -310,3 +310,38 @@ async def test_an_extension_needs_the_hosts_cpus_for_the_added_time(
         {"tenantId": "acme", "reservationId": first["id"], "by": "1h", "idempotencyKey": "again"},
     )
     assert again["extended"] is True
+
+
+async def test_policies_see_the_host_resources_summed_over_a_gang(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db, quotas={"vcpu": 100})
+    view = await create(service, "gang", resources={"vcpu": 10}, gang={"size": 2})
+    assert view["state"] == "placed", view["conditions"]
+    assert len(await host_booked(db, view["id"])) == 2  # each member on its own node
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT attributes FROM authz_resources WHERE id = %s", (view["id"],)
+            )
+        ).fetchone()
+    assert row is not None
+    # 10 CPUs and the 64 GiB share per member: what the decision saw.
+    assert (row["attributes"]["vcpu"], row["attributes"]["memoryGiB"]) == (20, 128)
+    # Quota: (10 - 7) CPUs above the share, per member.
+    assert await used(db, "vcpu") == 6
+
+
+async def test_a_re_inventoried_host_is_bookable_at_once(
+    db: Database, service: ReservationService
+) -> None:
+    small = {**HOST, "vcpu": 16}
+    await world(db, nodes=1, host=small, policy={"perGpu": {"vcpu": 1}}, quotas={"vcpu": 100})
+    view = await create(service, "waits", resources={"vcpu": 40})
+    assert view["state"] == "pending"
+    async with db.connection() as conn:
+        [row] = await (await conn.execute("SELECT id FROM nodes")).fetchall()
+    node = row["id"]
+    await node_again(db, node, resources=HOST)  # the agent now reports 64 CPUs
+    await run(db)
+    assert (await get(service, view["id"]))["state"] in ("placed", "binding")

@@ -10,6 +10,7 @@ these tests keep what needs the database: the statements, the events, the wake-u
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -540,6 +541,12 @@ async def test_foreign_gpu_exposure_degrades_an_active_reservation_and_clears(
 async def set_foreign_exposure(db: Database, node_id: str, exposure: str | None) -> None:
     """What the operator writes from the GPUNode's ForeignGpuExposure condition: the node as
     it is, with the condition's message."""
+    await node_again(db, node_id, foreign_exposure=exposure)
+
+
+async def node_again(db: Database, node_id: str, **changes: Any) -> None:
+    """The node inventoried again as it is in the store, but for ``changes`` (``NodeSpec``
+    fields), as its agent's next status would."""
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT * FROM nodes WHERE id = %s", (node_id,))).fetchone()
         atoms = await (
@@ -549,31 +556,29 @@ async def set_foreign_exposure(db: Database, node_id: str, exposure: str | None)
             )
         ).fetchall()
     assert row is not None
-    await inventory.upsert_node(
-        db,
-        NodeSpec(
-            id=row["id"],
-            name=row["name"],
-            pool_id=row["pool_id"],
-            atoms=[
-                AtomSpec(
-                    device_id=a["device_id"],
-                    kind=a["kind"],
-                    parent_gpu=a["parent_gpu"],
-                    profile=a["profile"],
-                    numa_node=a["numa_node"],
-                    nvlink_domain=a["nvlink_domain"],
-                    healthy=a["healthy"],
-                )
-                for a in atoms
-            ],
-            labels={k: (v["value"], v["source"]) for k, v in row["labels"].items()},
-            ready=row["ready"],
-            connected=row["connected"],
-            resources=row["resources"],
-            foreign_exposure=exposure,
-        ),
+    spec = NodeSpec(
+        id=row["id"],
+        name=row["name"],
+        pool_id=row["pool_id"],
+        atoms=[
+            AtomSpec(
+                device_id=a["device_id"],
+                kind=a["kind"],
+                parent_gpu=a["parent_gpu"],
+                profile=a["profile"],
+                numa_node=a["numa_node"],
+                nvlink_domain=a["nvlink_domain"],
+                healthy=a["healthy"],
+            )
+            for a in atoms
+        ],
+        labels={k: (v["value"], v["source"]) for k, v in row["labels"].items()},
+        ready=row["ready"],
+        connected=row["connected"],
+        resources=row["resources"],
+        foreign_exposure=row["foreign_exposure"],
     )
+    await inventory.upsert_node(db, dataclasses.replace(spec, **changes))
 
 
 # --- 9. the end -------------------------------------------------------------------------------
