@@ -463,3 +463,27 @@ async def test_no_tenant_anywhere_is_a_usage_error(cli: Cli):
     result = await cli("reservations", "list")
     assert result.rc == 2, result
     assert "no tenant: pass --tenant" in result.stderr
+
+
+async def test_reserve_warns_when_the_request_can_never_fit_the_pool(cli: Cli):
+    never = await cli(*RESERVE, "--gpus", "9", "--for", "1h")  # nodes of 8 GPUs
+    assert never.rc == 0, never  # admitted, pending: an answer, not an error
+    assert re.search(r"state\s+pending", never.stdout), never
+    assert "Warning: never fits this pool: even with every device free" in never.stderr, never
+    # One that fits gets no such warning (one that waits for devices: tests/store).
+    fits = await cli(*RESERVE, "--gpus", "2", "--for", "1h")
+    assert fits.rc == 0, fits
+    assert "never fits" not in fits.stderr, fits
+    preview = await cli(
+        "capacity",
+        "--tenant",
+        "acme",
+        "--preview",
+        "--pool",
+        "pool_a",
+        "--gpus",
+        "9",
+        "--for",
+        "1h",
+    )
+    assert re.search(r"fits\s+no \(never: no node of the pool could hold it\)", preview.stdout)

@@ -838,10 +838,12 @@ async def test_the_real_operator_stamps_and_checks_reservations_through_the_chai
         assert "poolId is immutable" in moved.json()["message"]
 
         # Attacks: the same forgery by every other write path gets nowhere.
-        current = kube.stored(RESERVATIONS, "ml", "train")
-        replaced = copy.deepcopy(current)
-        replaced["metadata"]["annotations"]["bcd.dev/requested-by"] = "bob@acme"
-        put = await alice.send("PUT", path, replaced)
+        for _ in range(10):  # the operator may write the object meanwhile (409): read again
+            replaced = copy.deepcopy(kube.stored(RESERVATIONS, "ml", "train"))
+            replaced["metadata"]["annotations"]["bcd.dev/requested-by"] = "bob@acme"
+            put = await alice.send("PUT", path, replaced)
+            if put.status_code != 409:
+                break
         assert put.status_code == 422, put.text  # a replace is an UPDATE the check sees
         op = {"op": "replace", "path": "/metadata/annotations/bcd.dev~1requested-by"}
         json_patch = await alice.send("PATCH", path, [{**op, "value": "bob@acme"}], kind=JSON_PATCH)

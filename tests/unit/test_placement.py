@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bettercompute.core.placement import (
+    NEVER,
     Atom,
     AtomKind,
     Demand,
@@ -408,17 +409,53 @@ REFUSALS = [
 ]
 
 
+#: The refusals above that no wait can cure: no node could hold them with every device free.
+NEVER_FITS = {
+    "empty pool",
+    "label value differs",
+    "topology: enough GPUs but split over domains",
+    "mig capacity names the profile",
+    "several entries: the second one is short",
+    "two gpu entries cannot share the same atoms",
+    "gang shortfall",
+    "gang bigger than the pool",
+}
+
+
 @pytest.mark.parametrize(
-    ("builder", "demand", "rejected", "message"),
-    [pytest.param(b, d, r, m, id=i) for i, b, d, r, m in REFUSALS],
+    ("builder", "demand", "rejected", "message", "never"),
+    [pytest.param(b, d, r, m, i in NEVER_FITS, id=i) for i, b, d, r, m in REFUSALS],
 )
-def test_refusal(
-    builder: SnapshotBuilder, demand: Demand, rejected: dict[str, int], message: str | None
+def test_refusal_and_whether_it_can_ever_fit(
+    builder: SnapshotBuilder,
+    demand: Demand,
+    rejected: dict[str, int],
+    message: str | None,
+    never: bool,
 ) -> None:
-    outcome = no_fit(place(snapshot=builder.build(), demand=demand))
+    snapshot = builder.build()
+    outcome = no_fit(place(snapshot=snapshot, demand=demand))
     assert dict(outcome.rejected) == rejected
-    if message is not None:
+    assert outcome.never is never
+    if message is not None and never:
+        # Nothing was busy here: the pool at rest refuses it for the same reasons.
+        empty = not snapshot.nodes
+        why = message if empty else f"even with every device free, {message}"
+        assert outcome.message == f"{NEVER}: {why}"
+    elif message is not None:
         assert outcome.message == message
+
+
+def test_busy_devices_are_not_yet_a_never() -> None:
+    snapshot = SnapshotBuilder().node("a", domains=[4, 4]).busy("a.g0").build()
+    outcome = no_fit(place(snapshot=snapshot, demand=Demand([gpu(8)])))
+    assert outcome.never is False
+    assert outcome.message == "0 of 1 nodes fit: 1 too few free gpu"
+    nine = no_fit(place(snapshot=snapshot, demand=Demand([gpu(9)])))
+    assert nine.never is True
+    assert nine.message == (
+        f"{NEVER}: even with every device free, 0 of 1 nodes fit: 1 too few free gpu"
+    )
 
 
 # --------------------------------------------------------------------------- gangs, errors, order
@@ -441,13 +478,21 @@ def test_gang_members_on_distinct_best_fit_nodes() -> None:
 def test_gang_never_uses_one_node_twice() -> None:
     snapshot = SnapshotBuilder().node("a", gpus=8).build()
     outcome = no_fit(place(snapshot=snapshot, demand=Demand([gpu(1)], gang_size=2)))
-    assert outcome.message == "1 of 1 nodes fit, the gang needs 2"
+    assert (
+        outcome.message
+        == f"{NEVER}: even with every device free, 1 of 1 nodes fit, the gang needs 2"
+    )
 
 
 def test_gang_with_no_fitting_node_explains_the_filters() -> None:
     snapshot = SnapshotBuilder().node("a", gpus=1).node("b", gpus=1, ready=False).build()
     outcome = no_fit(place(snapshot=snapshot, demand=Demand([gpu(2)], gang_size=2)))
-    assert outcome.message == "0 of 2 nodes fit: 1 not ready, 1 too few free gpu"
+    # Each node is short on its own, ready or not: never, explained at rest.
+    assert outcome.never
+    assert outcome.message == (
+        f"{NEVER}: even with every device free, 0 of 2 nodes fit: 2 too few free gpu"
+    )
+    assert dict(outcome.rejected) == {"ready": 1, "capacity": 1}  # as the pool is now
 
 
 @pytest.mark.parametrize(
@@ -473,7 +518,10 @@ def test_atoms_of_unknown_nodes_and_repeated_nodes_are_ignored() -> None:
     pool = Snapshot(nodes=(a, a), atoms=snapshot.atoms, busy=frozenset())
     assert single(place(snapshot=pool, demand=Demand([gpu(1)]))).node_id == "id-a"
     outcome = no_fit(place(snapshot=pool, demand=Demand([gpu(2)], gang_size=1)))
-    assert outcome.message == "0 of 1 nodes fit: 1 too few free gpu"
+    assert (
+        outcome.message
+        == f"{NEVER}: even with every device free, 0 of 1 nodes fit: 1 too few free gpu"
+    )
 
 
 def test_whole_node_ignores_devices() -> None:

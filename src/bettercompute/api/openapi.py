@@ -174,6 +174,11 @@ _ANSWERS: dict[str, Any] = {
                 "description": "The part of it that is the pool's per-GPU share (rides on the "
                 "GPUs' quota); {} when the pool has none.",
             },
+            "never": {
+                "type": "boolean",
+                "description": "true: no node of the pool could hold it even with every device "
+                "free (message starts 'never fits this pool:'); waiting will not help.",
+            },
             "rejected": {
                 "type": "object",
                 "additionalProperties": {"type": "integer"},

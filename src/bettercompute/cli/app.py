@@ -258,6 +258,10 @@ def reserve(
                     e.hint = waiting.waited_line(view, tenant=tenant_id, created=True)
                     raise
         output.emit(view, output=found.output, table=output.reservation_table)
+        never = output.never_fits(view)
+        if never is not None:
+            # Admitted and pending, but no wait will place it: say so before anyone waits.
+            output.note(f"Warning: {never}; change the request or the pool, or release it")
         if waiting.still_running(view):
             output.note(waiting.waited_line(view, tenant=tenant_id))
 

@@ -90,6 +90,21 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+#: How the server starts a ``NoFit`` message no wait can cure (``core.placement.NEVER``).
+NEVER_FITS = "never fits this pool"
+
+
+def never_fits(view: Any) -> str | None:
+    """The reason a reservation can never fit its pool as the pool is, or ``None``."""
+    if not isinstance(view, Mapping):
+        return None
+    for condition in view.get("conditions") or ():
+        message = condition.get("message") if isinstance(condition, Mapping) else None
+        if isinstance(message, str) and message.startswith(NEVER_FITS):
+            return message
+    return None
+
+
 def failure(error: client.Failure, *, output: Output) -> None:
     """``Error CODE: message`` on stderr, then details and a hint when there are any."""
     prefix = f"Error {error.code}" if error.code else "Error"
@@ -298,9 +313,10 @@ def preview(data: Any) -> RenderableType:
         return Text(_scalar(data))
     table = _kv_table()
     fits = data.get("fits")
-    table.add_row("fits", Text("yes" if fits else "no"))
+    never = " (never: no node of the pool could hold it)" if data.get("never") else ""
+    table.add_row("fits", Text("yes" if fits else f"no{never}"))
     known = {"fits", "poolId", "during", "nodeIds", "devices", "message", "rejected"}
-    known |= {"resources", "hostShare"}
+    known |= {"resources", "hostShare", "never"}
     rows: list[tuple[str, str | None]] = [
         ("pool", data.get("poolId")),
         ("during", describe_window(data.get("during")) if data.get("during") else None),

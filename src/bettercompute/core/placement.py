@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
@@ -102,6 +102,14 @@ class NoFit:
     # Filter name -> number of nodes it rejected; names: "ready", "labels", "health",
     # "capacity", "topology", "gang". Only filters that rejected something appear.
     rejected: Mapping[str, int]
+    #: No node of the pool could hold it even with every node ready and every device free and
+    #: healthy (then ``message`` starts with ``NEVER``): waiting will not help until the pool
+    #: changes.
+    never: bool = False
+
+
+#: How a ``NoFit`` that can never fit the pool as it is starts its message.
+NEVER = "never fits this pool"
 
 
 Outcome = Placed | NoFit
@@ -167,7 +175,32 @@ class _Shortfall(NamedTuple):
 
 
 def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
-    """Choose the nodes and atoms for ``demand``, or explain why nothing fits."""
+    """Choose the nodes and atoms for ``demand``, or explain why nothing fits, telling a
+    demand that could fit once devices are free from one that never can (``NoFit.never``)."""
+    outcome = _place(snapshot=snapshot, demand=demand)
+    if isinstance(outcome, Placed):
+        return outcome
+    idle = _place(snapshot=_idle(snapshot), demand=demand)
+    if isinstance(idle, Placed):
+        return outcome
+    why = idle.message if not snapshot.nodes else f"even with every device free, {idle.message}"
+    return NoFit(
+        message=f"{NEVER}: {why}",
+        rejected=outcome.rejected,
+        never=True,
+    )
+
+
+def _idle(snapshot: Snapshot) -> Snapshot:
+    """The pool as it would be with every node ready and every device free and healthy."""
+    return Snapshot(
+        nodes=tuple(replace(n, ready=True, connected=True) for n in snapshot.nodes),
+        atoms=tuple(a if a.healthy else replace(a, healthy=True) for a in snapshot.atoms),
+        busy=frozenset(),
+    )
+
+
+def _place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     _validate(demand)
     ask = _prepare(demand)
     stocks = _stock_up(snapshot=snapshot, sizes=demand.whole_node)

@@ -80,6 +80,8 @@ async def preview(
             "devices": [],
             "message": outcome.message,
             "rejected": dict(outcome.rejected),
+            # No node could hold it even with every device free: waiting will not help.
+            "never": outcome.never,
         }
     device_of = {a.id: a.device_id for a in snap.atoms}
     return {
@@ -92,4 +94,5 @@ async def preview(
         ],
         "message": "fits",
         "rejected": {},
+        "never": False,
     }
