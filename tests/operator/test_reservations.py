@@ -196,3 +196,17 @@ async def test_lifecycle_transitions_become_kubernetes_events(world: World):
     assert placed[0]["type"] == "Normal"
     assert placed[0]["involvedObject"]["name"] == "train"
     assert world.nodes[0] in placed[0]["message"]
+
+
+async def test_a_reservation_that_can_never_fit_says_so_in_its_condition(
+    world: World, operator: Operator
+):
+    # The pool's nodes have 8 GPUs each: 9 on one node can never fit, however long it waits.
+    await world.kube.create(kubeworld.reservation("huge").gpus(9).obj())
+    obj = await world.kube.wait_for(
+        RESERVATIONS, "ml", "huge", _condition("Unschedulable", "NoFit")
+    )
+    assert obj is not None
+    assert obj["status"]["state"] == "pending"
+    [condition] = [c for c in obj["status"]["conditions"] if c["type"] == "Unschedulable"]
+    assert condition["message"].startswith("never fits this pool: even with every device free")
