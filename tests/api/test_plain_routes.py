@@ -21,6 +21,7 @@ OPERATION_PATHS = {
     "/api/compute/reservations/extend": "ExtendInput",
     "/api/compute/reservations/renew": "RenewInput",
     "/api/compute/capacity/preview": "PreviewInput",
+    "/api/compute/capacity/search": "SearchInput",
 }
 
 

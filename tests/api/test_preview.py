@@ -53,7 +53,12 @@ async def test_a_request_that_does_not_fit_says_why(api: Api):
     assert answer["fits"] is False
     assert answer["nodeIds"] == []
     assert answer["devices"] == []
-    assert answer["message"] == "0 of 2 nodes fit: 2 no NVLink domain with 6 free gpu"
+    # NVLink domains of 4: no wait can help, and the answer says so.
+    assert answer["never"] is True
+    assert answer["message"] == (
+        "never fits this pool: even with every device free, "
+        "0 of 2 nodes fit: 2 no NVLink domain with 6 free gpu"
+    )
     assert answer["rejected"] == {"topology": 2}
     gang = await api.ok(
         "capacity/preview", preview_body(devices=[{"class": "gpu", "count": 1}], gang={"size": 3})

@@ -487,3 +487,33 @@ async def test_reserve_warns_when_the_request_can_never_fit_the_pool(cli: Cli):
         "1h",
     )
     assert re.search(r"fits\s+no \(never: no node of the pool could hold it\)", preview.stdout)
+
+
+async def test_capacity_find_lists_the_earliest_windows_and_reserve_takes_the_first(cli: Cli):
+    # 5 of each node's 8 GPUs busy for 2 hours: 4 GPUs fit nowhere until then.
+    for key in ("fill-a", "fill-b"):
+        await reserve_json(cli, "--gpus", "5", "--for", "2h", "--key", key)
+    find = ("capacity", "--tenant", "acme", "--find", "--pool", "pool_a")
+    found = await cli(*find, "--gpus", "4", "--for", "1h", "-o", "json")
+    assert found.rc == 0, found
+    windows = found.json()["windows"]
+    assert windows, found
+    first = windows[0]
+    assert first["start"] > found.json()["from"] + HOUR_MS  # not before the fills end
+    assert first["end"] - first["start"] == HOUR_MS
+    assert [w["start"] for w in windows] == sorted(w["start"] for w in windows)
+    table = await cli(*find, "--gpus", "4", "--for", "1h")
+    assert re.search(r"START\s+END\s+NODES", table.stdout), table
+    none = await cli(*find, "--gpus", "4", "--for", "1h", "--horizon", "30m")
+    assert none.rc == 0, none
+    assert "no window within the horizon" in none.stdout, none
+    both = await cli(*find, "--preview", "--gpus", "4", "--for", "1h")
+    assert both.rc == 2, both
+    # reserve --start earliest books that window, and says which.
+    reserved = await cli(
+        *RESERVE, "--gpus", "4", "--for", "1h", "--start", "earliest", "-o", "json"
+    )
+    assert reserved.rc == 0, reserved
+    assert "Earliest window:" in reserved.stderr, reserved
+    assert reserved.json()["during"]["start"] == first["start"]
+    assert reserved.json()["state"] == "placed"

@@ -186,6 +186,35 @@ _ANSWERS: dict[str, Any] = {
             },
         },
     },
+    "SearchResult": {
+        "type": "object",
+        "required": ["poolId", "from", "horizonEnd", "windows", "never", "message"],
+        "properties": {
+            "poolId": {"type": "string"},
+            "from": {"type": "integer", "description": "The earliest start considered (ms)."},
+            "horizonEnd": {"type": "integer", "description": "The latest start considered."},
+            "windows": {
+                "type": "array",
+                "description": "In start order; each is what a preview at its start answers.",
+                "items": {
+                    "type": "object",
+                    "required": ["start", "end", "nodeIds"],
+                    "properties": {
+                        "start": {"type": "integer"},
+                        "end": {"type": "integer"},
+                        "nodeIds": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+            },
+            "never": {
+                "type": "boolean",
+                "description": "true: no node of the pool could hold it even at rest.",
+            },
+            "message": {"type": "string"},
+            "resources": {"type": "object"},
+            "hostShare": {"type": "object"},
+        },
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -449,6 +478,22 @@ def _exact(schemas: dict[str, Any]) -> None:
     ]
     create["description"] = (
         "binding 'node' needs 'node' and is never spot; no other binding has 'node'."
+    )
+
+    search = schemas["SearchInput"]
+    found = search["properties"]
+    found["binding"] = props["binding"]
+    found["duration"] = props["duration"]
+    found["start"] = {**_NULL, "default": None, "description": "Not taken: give 'from'."}
+    found["horizon"] = {
+        "anyOf": [_DURATION_MS, _DURATION_TEXT, _NULL],
+        "default": None,
+        "description": "How far ahead the windows may start (default 14 days; more reads as 90).",
+    }
+    search["oneOf"] = create["oneOf"]
+    search["description"] = (
+        "The create input without 'start' (idempotencyKey optional), plus 'from', 'horizon' and "
+        "'limit'. binding 'node' needs 'node' and is never spot."
     )
 
     schemas["ListInput"]["properties"]["state"] = {

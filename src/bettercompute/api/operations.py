@@ -100,6 +100,13 @@ OPERATIONS: tuple[Operation, ...] = (
         summary="Whether a create would fit and where (no booking, no decision)",
         optional=("idempotencyKey",),
     ),
+    Operation(
+        name="capacity.search",
+        method="search",
+        model=requests.SearchInput,
+        answer="SearchResult",
+        summary="The earliest windows a create would fit in (no booking, no decision)",
+    ),
 )
 
 BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}
@@ -117,4 +124,6 @@ def outcome(operation: Operation, data: Answer) -> str:
         return "extended" if data.get("extended") else "not-extended"
     if operation.method == "preview":
         return "fits" if data.get("fits") else "no-fit"
+    if operation.method == "search":
+        return "found" if data.get("windows") else "none"
     return "ok"

@@ -14,6 +14,7 @@ create with a new key, or let a traceback reach the user.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -135,7 +136,9 @@ def _ask(
         count=count,
         slots=slots,
         nvlink=nvlink,
-        start_ms=None if start is None else parsing.parse_time(start, now_ms=options.now_ms()),
+        start_ms=None
+        if start is None or start == options.EARLIEST
+        else parsing.parse_time(start, now_ms=options.now_ms()),
         gang=gang,
         cpus=cpus,
         memory_gib=memory,
@@ -242,12 +245,14 @@ def reserve(
             kubernetes=kubernetes,
         )
         chosen_key = key or new_key()
-        body = bodies.create(
-            ask, key=chosen_key, wait_s=wait, spot=spot, lease_seconds=lease, project=project
-        )
         deadline = time.monotonic() + wait
         server_wait = min(float(wait), SERVER_WAIT_CAP_S)
         with _client(found, timeout_s=server_wait + ANSWER_GRACE_S) as api:
+            if start == options.EARLIEST:
+                ask = dataclasses.replace(ask, start_ms=_earliest(api, ask))
+            body = bodies.create(
+                ask, key=chosen_key, wait_s=wait, spot=spot, lease_seconds=lease, project=project
+            )
             # Printed before sending: whatever happens next, the person can retry with it.
             _print_key(chosen_key, given=key is not None)
             view = api.call("reservations/create", body)
@@ -266,16 +271,34 @@ def reserve(
             output.note(waiting.waited_line(view, tenant=tenant_id))
 
 
+def _earliest(api: client.ApiClient, ask: bodies.Ask) -> int:
+    """The start of the first window ``capacity --find`` answers for ``ask``."""
+    answer = api.call("capacity/search", {**bodies.request(ask), "limit": 1})
+    windows = answer.get("windows") or []
+    if not windows:
+        raise client.Failure(
+            code="NO_WINDOW",
+            message=f"--start earliest: {answer.get('message') or 'no window'}",
+        )
+    start = int(windows[0]["start"])
+    output.note(f"Earliest window: {parsing.format_time(start)}")
+    return start
+
+
 @app.command(
     help=(
-        "Preview whether a reservation would fit, and where, without booking anything.\n\n"
-        "Takes the same request options as reserve; a preview that fits is a create that fits."
+        "Preview whether a reservation would fit, and where, or find the earliest windows "
+        "where it would, without booking anything.\n\n"
+        "Takes the same request options as reserve; a preview that fits is a create that fits, "
+        "and so is each window --find answers (at that moment)."
     ),
     epilog=_examples(
         "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 2 --for 8h"
         " --cpus 32 --memory 256",
         "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 8 --gang 2"
         " --for 3d --start 2026-09-28T09:00:00Z",
+        "better-compute capacity --tenant acme --find --pool pool_01k… --gpus 8 --for 24h"
+        " --from +2d --horizon 7d",
     ),
 )
 def capacity(
@@ -287,6 +310,16 @@ def capacity(
             "--preview", help="Preview whether the request would fit now (nothing is booked)."
         ),
     ] = False,
+    find: Annotated[
+        bool,
+        typer.Option(
+            "--find",
+            help="Find the earliest windows where the request would fit (nothing is booked).",
+        ),
+    ] = False,
+    from_: options.FromOption = None,
+    horizon: options.HorizonOption = None,
+    limit: options.LimitOption = 5,
     tenant: options.TenantOption = None,
     gpus: options.GpusOption = None,
     mig: options.MigOption = None,
@@ -302,11 +335,18 @@ def capacity(
     token: options.TokenOption = None,
     out: options.OutputOption = None,
 ) -> None:
-    """Preview whether a reservation would fit, and where, without booking anything."""
-    if not preview:
+    """Preview whether a reservation would fit, or find when it would, booking nothing."""
+    if preview == find:
         raise typer.BadParameter(
-            "capacity needs --preview (the only thing it does today)", param_hint="'--preview'"
+            "capacity needs exactly one of --preview (now) or --find (the earliest windows)",
+            param_hint="'--preview'",
         )
+    if start == options.EARLIEST:
+        raise typer.BadParameter("'earliest' is for reserve; use --find", param_hint="'--start'")
+    if find and start is not None:
+        raise typer.BadParameter("--find looks from --from, not --start", param_hint="'--start'")
+    if preview and (from_ is not None or horizon is not None):
+        raise typer.BadParameter("--from and --horizon are for --find", param_hint="'--from'")
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         ask = _ask(
@@ -326,6 +366,15 @@ def capacity(
         )
         body = bodies.request(ask)
         with _client(found) as api:
+            if find:
+                search: dict[str, Any] = {**body, "limit": limit}
+                if from_ is not None:
+                    search["from"] = parsing.parse_time(from_, now_ms=options.now_ms())
+                if horizon is not None:
+                    search["horizon"] = horizon.strip()
+                answer = api.call("capacity/search", search)
+                output.emit(answer, output=found.output, table=output.search)
+                return
             answer = api.call("capacity/preview", body)
         output.emit(answer, output=found.output, table=output.preview)
 

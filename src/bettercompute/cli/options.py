@@ -77,8 +77,12 @@ def check_duration(value: str | None) -> str | None:
     return value
 
 
+#: ``reserve --start earliest``: the first window ``capacity --find`` would answer.
+EARLIEST = "earliest"
+
+
 def check_time(value: str | None) -> str | None:
-    if value is not None:
+    if value is not None and value != EARLIEST:
         try:
             parsing.parse_time(value, now_ms=now_ms())
         except parsing.ParseError as e:
@@ -147,7 +151,8 @@ StartOption = Annotated[
         "--start",
         help=(
             "When the window begins: +2h (from now), an ISO 8601 time (local time without an"
-            " offset) or epoch ms. Default: as soon as it is placed."
+            " offset) or epoch ms; for reserve also 'earliest' (the first window where it fits,"
+            " as capacity --find answers). Default: as soon as it is placed."
         ),
         callback=check_time,
         rich_help_panel=REQUEST,
@@ -196,6 +201,36 @@ KubernetesOption = Annotated[
     typer.Option(
         "--kubernetes",
         help="binding: kubernetes, for pods through the bcd.dev device plugin.",
+        rich_help_panel=REQUEST,
+    ),
+]
+
+FromOption = Annotated[
+    str | None,
+    typer.Option(
+        "--from",
+        help="capacity --find: the earliest start to consider (+2d, an ISO 8601 time or epoch "
+        "ms). Default: now.",
+        callback=check_time,
+        rich_help_panel=REQUEST,
+    ),
+]
+HorizonOption = Annotated[
+    str | None,
+    typer.Option(
+        "--horizon",
+        help="capacity --find: how far after --from a window may start (7d, 36h). Default 14d; "
+        "at most 90d.",
+        rich_help_panel=REQUEST,
+    ),
+]
+LimitOption = Annotated[
+    int,
+    typer.Option(
+        "--limit",
+        help="capacity --find: windows to show (1-50).",
+        min=1,
+        max=50,
         rich_help_panel=REQUEST,
     ),
 ]

@@ -334,6 +334,25 @@ def preview(data: Any) -> RenderableType:
     return table
 
 
+def search(data: Any) -> RenderableType:
+    """``capacity.search``: the windows found, one row each, or why there are none."""
+    if not isinstance(data, dict):
+        return Text(_scalar(data))
+    found = data.get("windows") or []
+    if not found:
+        return Text(str(data.get("message") or "no window"))
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("START", "END", "NODES"):
+        table.add_column(column)
+    for window in found:
+        table.add_row(
+            parsing.format_time(window.get("start")),
+            parsing.format_time(window.get("end")),
+            ", ".join(str(n) for n in window.get("nodeIds") or []),
+        )
+    return table
+
+
 def _preview_devices(devices: Any) -> str | None:
     if not isinstance(devices, list) or not devices:
         return None

@@ -191,6 +191,12 @@ def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     )
 
 
+def try_place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
+    """``place`` without telling "never" from "not yet": for callers that try many snapshots of
+    one pool (``windows``) and ask the pool at rest once themselves."""
+    return _place(snapshot=snapshot, demand=demand)
+
+
 def _idle(snapshot: Snapshot) -> Snapshot:
     """The pool as it would be with every node ready and every device free and healthy."""
     return Snapshot(

@@ -217,6 +217,54 @@ class RenewInput(_Input):
 M = TypeVar("M", bound=BaseModel)
 
 
+#: ``capacity.search``: the default and the longest horizon it looks ahead.
+SEARCH_HORIZON_DEFAULT_MS = 14 * 86_400_000
+SEARCH_HORIZON_MAX_MS = 90 * 86_400_000
+
+
+class SearchInput(CreateInput):
+    """``capacity.search``: the create input (its ``idempotencyKey`` optional: a search stores
+    nothing), plus where to look: ``from`` (epoch ms, default now), ``horizon`` (a duration:
+    the latest start is ``from + horizon``; default 14 days, longer read as 90) and ``limit``
+    (windows to answer, 1-50, default 5). ``start`` is not taken: the search finds it."""
+
+    idempotencyKey: IdempotencyKey | None = None  # type: ignore[assignment]
+    from_: StrictInt | None = Field(
+        default=None,
+        alias="from",
+        ge=0,
+        # Any window it can find ends by 9999-12-31.
+        le=MAX_EPOCH_MS - durations.MAX_DURATION_MS - SEARCH_HORIZON_MAX_MS,
+    )
+    horizon: StrictInt | str | None = None
+    limit: StrictInt = Field(default=5, ge=1, le=50)
+
+    @field_validator("horizon")
+    @classmethod
+    def _horizon(cls, value: int | str | None) -> int:
+        if value is None:
+            return SEARCH_HORIZON_DEFAULT_MS
+        try:
+            ms = durations.parse_duration_ms(value)
+        except durations.DurationError as e:
+            raise ValueError(str(e)) from e
+        return min(ms, SEARCH_HORIZON_MAX_MS)  # never further ahead than 90 days
+
+    @model_validator(mode="after")
+    def _no_start(self) -> SearchInput:
+        if self.start is not None:
+            raise PydanticCustomError(
+                "start_not_searched",
+                "not taken by a search: give 'from' (the earliest start to consider)",
+                {"field": "start"},
+            )
+        return self
+
+    @property
+    def horizon_ms(self) -> int:
+        return int(self.horizon or SEARCH_HORIZON_DEFAULT_MS)
+
+
 def parse(model: type[M], data: Any) -> M:
     """Validate ``data`` into ``model`` or raise ``INVALID_INPUT`` naming the first bad field."""
     if not isinstance(data, dict):

@@ -34,6 +34,7 @@ from bettercompute.store import (
     queries,
     releasing,
     reports,
+    searching,
     stats,
     views,
 )
@@ -548,6 +549,31 @@ class ReservationService:
             tenant_id=value.tenantId,
             request=requests.normalized_request(value),
             duration_ms=value.duration_ms,
+        )
+
+    async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``capacity.search``: the earliest windows a create would fit in, booking nothing.
+
+        Takes the preview's input without ``start``, plus ``from``, ``horizon`` and ``limit``
+        (``requests.SearchInput``). The same pre-checks and pool rules as a preview; each
+        window is what a preview at that start would answer.
+        """
+        value = requests.parse(requests.SearchInput, data)
+        self._precheck(caller, value.tenantId)
+        if value.binding == "instance":
+            raise ComputeError(
+                ErrorCode.UNSUPPORTED,
+                "binding 'instance' is not supported: VPS instances book through the capacity port",
+                {"field": "binding"},
+            )
+        return await searching.search(
+            self.db,
+            tenant_id=value.tenantId,
+            request=requests.normalized_request(value),
+            duration_ms=value.duration_ms,
+            from_ms=value.from_,
+            horizon_ms=value.horizon_ms,
+            limit=value.limit,
         )
 
     async def snapshot(self, reservation_id: str) -> answers.Reservation | None:

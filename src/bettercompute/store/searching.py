@@ -1,0 +1,111 @@
+"""The read behind ``capacity.search``: the earliest windows a request would fit in its pool.
+
+Why a module of its own: like a preview (``previewing``) it books and decides nothing, and
+reads one consistent snapshot in a ``READ ONLY``, ``REPEATABLE READ`` transaction without the
+pool lock; unlike a preview it reads every booking of the pool within the horizon once, and
+``core.windows`` sweeps their boundaries.
+
+What it must never do: write, lock or charge anything.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from bettercompute.core import durations, errors, hosts, placement, pools, windows
+from bettercompute.store import clock, placing
+from bettercompute.store import pools as pool_rows
+from bettercompute.store.database import Database
+
+_BOOKINGS = """
+    SELECT atom_id, epoch_ms(lower(during)) AS start_ms, epoch_ms(upper(during)) AS end_ms,
+           host_node, host_vcpu, host_memory_gib, host_hugepages_1gi
+      FROM bookings WHERE pool_id = %s AND during && tstzrange(%s, %s)
+"""
+
+
+async def search(
+    db: Database,
+    *,
+    tenant_id: str,
+    request: Mapping[str, Any],
+    duration_ms: int,
+    from_ms: int | None,
+    horizon_ms: int,
+    limit: int,
+) -> dict[str, Any]:
+    """Up to ``limit`` windows, in start order, where a create of ``request`` would fit.
+
+    Raises ``NOT_FOUND`` for a pool the tenant cannot see and ``INVALID_INPUT`` for a class or
+    binding the pool does not serve, as a preview does.
+    """
+    pool_id = str(request["poolId"])
+    async with db.connection() as conn, conn.transaction():
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        pool = await pool_rows.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+        if pool is None:
+            raise errors.not_found("pool")
+        pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
+        request, share = pools.resolve_host(
+            request, pool=pool, hosts_share=await pool_rows.host_share(conn, pool_id=pool_id)
+        )
+        now = durations.to_ms(await clock.current_time(conn))
+        first = max(now, from_ms if from_ms is not None else now)
+        latest = first + horizon_ms
+        if latest + duration_ms > durations.to_ms(dt.datetime.max.replace(tzinfo=dt.UTC)):
+            raise errors.invalid_input("horizon", "the windows must end before the year 10000")
+        snap = await placing.snapshot(
+            conn,
+            cache=db.inventory,
+            pool_id=pool_id,
+            start=durations.from_ms(first),
+            end=durations.from_ms(first + 1),
+            ignore_reservation="",
+        )
+        rows = await (
+            await conn.execute(
+                _BOOKINGS,
+                (pool_id, durations.from_ms(first), durations.from_ms(latest + duration_ms)),
+            )
+        ).fetchall()
+    demand = pools.demand(request=request)
+    answer: dict[str, Any] = {
+        "poolId": pool_id,
+        "from": first,
+        "horizonEnd": latest,
+        "resources": hosts.booked(request),
+        "hostShare": share,
+    }
+    # Could it fit at all, with the pool at rest? Then no window will come of waiting.
+    idle = placement.place(
+        snapshot=placement.Snapshot(nodes=snap.nodes, atoms=snap.atoms, busy=frozenset()),
+        demand=demand,
+    )
+    if isinstance(idle, placement.NoFit) and idle.never:
+        return {**answer, "windows": [], "never": True, "message": idle.message}
+    found = windows.earliest(
+        nodes=snap.nodes,
+        atoms=snap.atoms,
+        bookings=windows.as_bookings(rows),
+        demand=demand,
+        from_ms=first,
+        latest_start_ms=latest,
+        duration_ms=duration_ms,
+        limit=limit,
+    )
+    message = f"{len(found.windows)} window(s) found"
+    if found.exhausted:
+        message += f"; stopped after {found.tried} candidate starts"
+    elif not found.windows:
+        message = "no window within the horizon"
+    return {
+        **answer,
+        "windows": [
+            {"start": w.start_ms, "end": w.end_ms, "nodeIds": list(w.node_ids)}
+            for w in found.windows
+        ],
+        "never": False,
+        "message": message,
+    }
