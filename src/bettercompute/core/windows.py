@@ -8,8 +8,9 @@ bookings leave it in that window, host resources and labels included.
 How: a window can only open when a booking ends (or at ``from``), so the candidate starts are
 ``from`` and every booking end within the horizon: boundaries, never a clock grid. The starts
 are swept in order while the bookings overlapping ``[start, start + duration)`` are kept
-incrementally (they enter by start, leave by end), so the pool's bookings are read once and
-each candidate costs one placement. It stops at ``limit`` windows or ``max_tries`` placements.
+incrementally (they enter by start, leave by end), so the pool's bookings are read once; at
+each candidate only the nodes whose bookings changed are judged again (a node's verdict
+depends on its own bookings alone). It stops at ``limit`` windows or ``max_tries`` starts.
 
 What it must never do: I/O or read a clock; book or decide anything.
 """
@@ -17,8 +18,10 @@ What it must never do: I/O or read a clock; book or decide anything.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from operator import itemgetter
+from typing import NamedTuple
 
 from bettercompute.core import placement
 
@@ -26,9 +29,13 @@ from bettercompute.core import placement
 MAX_TRIES = 2000
 
 
-@dataclass(frozen=True)
-class Booking:
-    """One device booking of the pool, as the search reads it (epoch ms)."""
+#: A booking as a plain tuple, in ``Booking``'s field order (what the store hands over).
+Row = tuple[str, int, int, str | None, int, int, int]
+
+
+class Booking(NamedTuple):
+    """One device booking of the pool, as the search reads it (epoch ms). A tuple: a search
+    reads tens of thousands, straight from the database's arrays."""
 
     atom_id: str
     start_ms: int
@@ -59,7 +66,7 @@ def earliest(
     *,
     nodes: Sequence[placement.Node],
     atoms: Sequence[placement.Atom],
-    bookings: Sequence[Booking],
+    bookings: Sequence[Row],
     demand: placement.Demand,
     from_ms: int,
     latest_start_ms: int,
@@ -68,38 +75,79 @@ def earliest(
     max_tries: int = MAX_TRIES,
 ) -> Found:
     """Up to ``limit`` windows ``[start, start + duration)`` in start order, each the earliest
-    at its boundary where ``demand`` fits, with ``from_ms <= start <= latest_start_ms``."""
-    starts = sorted(
-        {from_ms} | {b.end_ms for b in bookings if from_ms < b.end_ms <= latest_start_ms}
-    )
-    by_start = sorted(bookings, key=lambda b: b.start_ms)
+    at its boundary where ``demand`` fits, with ``from_ms <= start <= latest_start_ms``.
+
+    Each node's verdict (could one member fit there?) is kept between candidate starts and
+    judged again only on the nodes whose bookings in the window changed; the placer then
+    chooses among the nodes that fit, exactly as a create would among them.
+    """
+    node_of = {a.id: a.node_id for a in atoms}
+    atoms_of: dict[str, list[placement.Atom]] = {n.id: [] for n in nodes}
+    for atom in atoms:
+        if atom.node_id in atoms_of:
+            atoms_of[atom.node_id].append(atom)
+    member = replace(demand, gang_size=1)
+    starts = sorted({from_ms} | {b[2] for b in bookings if from_ms < b[2] <= latest_start_ms})
+    by_start = sorted(bookings, key=itemgetter(1))  # already in start order: one pass
     entering = 0
     ending: list[tuple[int, int]] = []  # (end, index) of bookings in the active set
-    active: dict[int, Booking] = {}
+    active: dict[int, Row] = {}
     busy: dict[str, int] = {}  # atom -> how many active bookings hold it
     host: dict[str, dict[str, int]] = {}
+    changed: set[str] = {n.id for n in nodes}
+    fits: set[str] = set()
     windows: list[Window] = []
     tried = 0
     for start in starts:
         end = start + duration_ms
-        while entering < len(by_start) and by_start[entering].start_ms < end:
+        while entering < len(by_start) and by_start[entering][1] < end:
             booking = by_start[entering]
-            if booking.end_ms > start:
+            if booking[2] > start:
                 active[entering] = booking
-                heapq.heappush(ending, (booking.end_ms, entering))
+                heapq.heappush(ending, (booking[2], entering))
                 _count(busy, host, booking, +1)
+                changed.add(node_of.get(booking[0], ""))
             entering += 1
         while ending and ending[0][0] <= start:
             _, index = heapq.heappop(ending)
-            _count(busy, host, active.pop(index), -1)
+            booking = active.pop(index)
+            _count(busy, host, booking, -1)
+            changed.add(node_of.get(booking[0], ""))
         if tried >= max_tries:
             return Found(windows=tuple(windows), tried=tried, exhausted=True)
         tried += 1
+        taken = frozenset(busy)
+        if demand.gang_size == 1 and len(changed) * 4 > len(nodes):
+            # Most nodes changed (the first start): one placement over the pool answers.
+            whole = placement.Snapshot(nodes=nodes, atoms=atoms, busy=taken, host_busy=host)
+            outcome = placement.try_place(snapshot=whole, demand=demand)
+            if isinstance(outcome, placement.Placed):
+                windows.append(Window(start, end, tuple(m.node_id for m in outcome.members)))
+                if len(windows) >= limit:
+                    break
+                continue  # the verdicts stay unknown (changed) until a start does not fit
+            fits.clear()  # no node fits this start
+            changed.clear()
+            continue
+        for node in nodes:
+            if node.id not in changed:
+                continue
+            alone = placement.Snapshot(
+                nodes=(node,), atoms=atoms_of[node.id], busy=taken, host_busy=host
+            )
+            if isinstance(placement.try_place(snapshot=alone, demand=member), placement.Placed):
+                fits.add(node.id)
+            else:
+                fits.discard(node.id)
+        changed.clear()
+        if len(fits) < demand.gang_size:
+            continue
+        chosen = [n for n in nodes if n.id in fits]
         outcome = placement.try_place(
             snapshot=placement.Snapshot(
-                nodes=nodes,
-                atoms=atoms,
-                busy=frozenset(busy),
+                nodes=chosen,
+                atoms=[a for n in chosen for a in atoms_of[n.id]],
+                busy=taken,
                 host_busy=host,
             ),
             demand=demand,
@@ -111,33 +159,29 @@ def earliest(
     return Found(windows=tuple(windows), tried=tried, exhausted=False)
 
 
-def _count(
-    busy: dict[str, int], host: dict[str, dict[str, int]], booking: Booking, sign: int
-) -> None:
-    held = busy.get(booking.atom_id, 0) + sign
+def _count(busy: dict[str, int], host: dict[str, dict[str, int]], booking: Row, sign: int) -> None:
+    atom, _, _, host_node, vcpu, memory, hugepages = booking
+    held = busy.get(atom, 0) + sign
     if held:
-        busy[booking.atom_id] = held
+        busy[atom] = held
     else:
-        busy.pop(booking.atom_id, None)
-    if booking.host_node is not None:
-        use = host.setdefault(booking.host_node, {"vcpu": 0, "memoryGiB": 0, "hugepages1Gi": 0})
-        use["vcpu"] += sign * booking.vcpu
-        use["memoryGiB"] += sign * booking.memory_gib
-        use["hugepages1Gi"] += sign * booking.hugepages_1gi
+        busy.pop(atom, None)
+    if host_node is not None:
+        use = host.setdefault(host_node, {"vcpu": 0, "memoryGiB": 0, "hugepages1Gi": 0})
+        use["vcpu"] += sign * vcpu
+        use["memoryGiB"] += sign * memory
+        use["hugepages1Gi"] += sign * hugepages
 
 
-def as_bookings(rows: Sequence[Mapping[str, object]]) -> list[Booking]:
-    """Rows of ``atom_id, start_ms, end_ms, host_node, host_vcpu, host_memory_gib,
-    host_hugepages_1gi`` as bookings."""
-    return [
-        Booking(
-            atom_id=str(r["atom_id"]),
-            start_ms=int(str(r["start_ms"])),
-            end_ms=int(str(r["end_ms"])),
-            host_node=None if r["host_node"] is None else str(r["host_node"]),
-            vcpu=int(str(r["host_vcpu"])),
-            memory_gib=int(str(r["host_memory_gib"])),
-            hugepages_1gi=int(str(r["host_hugepages_1gi"])),
-        )
-        for r in rows
-    ]
+def as_bookings(
+    atoms: Sequence[str],
+    starts: Sequence[int],
+    ends: Sequence[int],
+    host_nodes: Sequence[str | None],
+    vcpus: Sequence[int],
+    memories: Sequence[int],
+    hugepages: Sequence[int],
+) -> list[Row]:
+    """Bookings from the parallel arrays the store reads them as (one row of arrays: parsed
+    by the driver in C, zipped here in C)."""
+    return list(zip(atoms, starts, ends, host_nodes, vcpus, memories, hugepages, strict=True))

@@ -19,9 +19,15 @@ from bettercompute.store import clock, placing
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Database
 
+# One row of arrays: the driver parses arrays in C, far faster than rows (one sort, in Python).
 _BOOKINGS = """
-    SELECT atom_id, epoch_ms(lower(during)) AS start_ms, epoch_ms(upper(during)) AS end_ms,
-           host_node, host_vcpu, host_memory_gib, host_hugepages_1gi
+    SELECT coalesce(array_agg(atom_id), '{}') AS atoms,
+           coalesce(array_agg(epoch_ms(lower(during))), '{}') AS starts,
+           coalesce(array_agg(epoch_ms(upper(during))), '{}') AS ends,
+           coalesce(array_agg(host_node), '{}') AS host_nodes,
+           coalesce(array_agg(host_vcpu), '{}') AS vcpus,
+           coalesce(array_agg(host_memory_gib), '{}') AS memories,
+           coalesce(array_agg(host_hugepages_1gi), '{}') AS hugepages
       FROM bookings WHERE pool_id = %s AND during && tstzrange(%s, %s)
 """
 
@@ -64,12 +70,13 @@ async def search(
             end=durations.from_ms(first + 1),
             ignore_reservation="",
         )
-        rows = await (
+        arrays = await (
             await conn.execute(
                 _BOOKINGS,
                 (pool_id, durations.from_ms(first), durations.from_ms(latest + duration_ms)),
             )
-        ).fetchall()
+        ).fetchone()
+        assert arrays is not None  # an aggregate answers one row
     demand = pools.demand(request=request)
     answer: dict[str, Any] = {
         "poolId": pool_id,
@@ -88,7 +95,15 @@ async def search(
     found = windows.earliest(
         nodes=snap.nodes,
         atoms=snap.atoms,
-        bookings=windows.as_bookings(rows),
+        bookings=windows.as_bookings(
+            arrays["atoms"],
+            arrays["starts"],
+            arrays["ends"],
+            arrays["host_nodes"],
+            arrays["vcpus"],
+            arrays["memories"],
+            arrays["hugepages"],
+        ),
         demand=demand,
         from_ms=first,
         latest_start_ms=latest,
