@@ -13,6 +13,14 @@ from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
 NS = kubeworld.OPERATOR_NAMESPACE
 
 
+def _condition(kind: str, status: str):
+    def check(o: dict | None) -> bool:
+        found = [c for c in ((o or {}).get("status") or {}).get("conditions") or ()]
+        return any(c["type"] == kind and c["status"] == status for c in found)
+
+    return check
+
+
 def _state(state: str):
     return lambda o: bool(o) and (o.get("status") or {}).get("state") == state
 
@@ -87,14 +95,24 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
         {"status": kubeworld.bound(node, spec, at="2026-12-02T00:00:02Z")},
         status=True,
     )
-    active = await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("active"))
+    # As `kubectl wait --for=condition=Ready` polls: Ready turns True once it is active.
+    active = await world.kube.wait_for(RESERVATIONS, "ml", "train", _condition("Ready", "True"))
+    assert active is not None
+    assert active["status"]["state"] == "active"
     assert sorted(active["status"]["binding"]["cdiDevices"]) == sorted(
         f"bcd.dev/gpu={d}" for d in spec["deviceIds"]
     )
+    summary = {c["type"]: c for c in active["status"]["conditions"]}
+    assert (summary["Ready"]["reason"], summary["Placed"]["status"]) == ("Active", "True")
+    assert summary["Ready"]["observedGeneration"] == active["metadata"]["generation"]
 
     # Release while a pod still holds the devices: DevicesHeld with the pod, since the release.
     await world.kube.patch(RESERVATIONS, "ml", "train", {"spec": {"release": True}})
-    await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("released"))
+    released = await world.kube.wait_for(RESERVATIONS, "ml", "train", _state("released"))
+    assert released is not None
+    summary = {c["type"]: c for c in released["status"]["conditions"]}
+    assert (summary["Ready"]["status"], summary["Ready"]["reason"]) == ("False", "Released")
+    assert summary["Placed"]["status"] == "False"
     releasing = await world.kube.wait_for(
         DEVICEALLOCATIONS, NS, name, lambda o: o["spec"]["release"] is True
     )

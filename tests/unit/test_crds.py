@@ -54,18 +54,22 @@ EXPECTED = (
         "Namespaced",
         (
             ("State", "string", ".status.state"),
+            ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status'),
             ("GPUs", "integer", ".status.gpus"),
             ("Pool", "string", ".spec.poolId"),
             ("Node(s)", "string", ".status.nodes"),
-            ("Start", "date", ".status.startTime"),
-            ("End", "date", ".status.endTime"),
+            # Strings: a date column shows a future start or end as <invalid>.
+            ("Start", "string", ".status.startTime"),
+            ("End", "string", ".status.endTime"),
+            ("Resource", "string", ".status.resourceName"),
+            ("Binding", "string", ".spec.binding"),
             AGE,
         ),
     ),
     Expected(
         "GPUPool",
         "gpupools",
-        ("gpupool",),
+        ("gpupool", "gp"),
         "Cluster",
         (
             ("Model", "string", ".spec.model"),
@@ -78,7 +82,7 @@ EXPECTED = (
     Expected(
         "GPUNode",
         "gpunodes",
-        ("gpunode",),
+        ("gpunode", "gn"),
         "Cluster",
         (
             ("GPUs", "integer", ".status.gpus"),
@@ -149,6 +153,7 @@ def test_names_scope_and_version(crds, expected: Expected):
         "plural": expected.plural,
         "singular": expected.kind.lower(),
         "shortNames": list(expected.short_names),
+        "categories": ["bcd"],  # kubectl get bcd lists them all
     }
     [version] = crd["spec"]["versions"]
     assert (version["name"], version["served"], version["storage"]) == (VERSION, True, True)

@@ -79,6 +79,71 @@ def conditions(
     return out
 
 
+#: Summary conditions, always present, for ``kubectl wait`` and GitOps health checks.
+READY = "Ready"
+PLACED = "Placed"
+#: States whose window is booked (``Placed`` is True in them).
+_BOOKED = ("placed", "binding", "active")
+
+
+def summary(
+    view: Mapping[str, Any],
+    *,
+    previous: Sequence[Mapping[str, Any]] | None,
+    now: str,
+    generation: int | None,
+    refused: bool,
+    observed: int | None = None,
+) -> list[dict[str, Any]]:
+    """``Ready`` (True while the reservation is ``active``: its devices are bound) and
+    ``Placed`` (True while its window is booked), each with the state as its reason when
+    False; ``kubectl wait --for=condition=Ready rsv/NAME`` waits on the first."""
+    state = str(view.get("state") or "")
+    reason = "".join(part.capitalize() for part in state.split("-")) or "Unknown"
+    nodes = ", ".join((view.get("binding") or {}).get("nodeIds") or ())
+    ready = state == "active"
+    ready_message = (
+        f"its devices are bound on {nodes}" if ready else f"the reservation is {state or 'new'}"
+    )
+    if refused and not ready:
+        reason, ready_message = REFUSED, "the last operation was refused (see Refused)"
+    placed = state in _BOOKED
+    before = {c.get("type"): c for c in previous or ()}
+    out = []
+    for kind, status, why, message in (
+        (READY, ready, "Active" if ready else reason, ready_message),
+        (PLACED, placed, "Booked" if placed else reason, _placed_message(view, placed)),
+    ):
+        value = "True" if status else "False"
+        old = before.get(kind)
+        item: dict[str, Any] = {
+            "type": kind,
+            "status": value,
+            "reason": why,
+            "message": message,
+            "lastTransitionTime": (
+                old.get("lastTransitionTime") or now
+                if old is not None and old.get("status") == value
+                else now
+            ),
+        }
+        # A re-projection (no spec handled) keeps the generation the status last observed.
+        seen = generation
+        if seen is None:
+            seen = (old or {}).get("observedGeneration", observed)
+        if seen is not None:
+            item["observedGeneration"] = seen
+        out.append(item)
+    return out
+
+
+def _placed_message(view: Mapping[str, Any], placed: bool) -> str:
+    during = view.get("during") or {}
+    if placed and during:
+        return f"booked from {rfc3339(during.get('start'))} to {rfc3339(during.get('end'))}"
+    return "no window is booked"
+
+
 def gpus(request: Mapping[str, Any]) -> int:
     """Devices booked: whole GPUs, MIG instances and slots, times the gang size."""
     gang = int((request.get("gang") or {}).get("size") or 1)
@@ -130,6 +195,14 @@ def reservation_status(
     )
     if refused is not None:
         status["conditions"].append(dict(refused))
+    status["conditions"] += summary(
+        view,
+        previous=previous.get("conditions"),
+        now=now,
+        generation=generation,
+        refused=refused is not None,
+        observed=previous.get("observedGeneration"),
+    )
     if generation is not None:
         status["observedGeneration"] = generation
     else:
