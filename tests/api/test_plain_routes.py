@@ -22,6 +22,7 @@ OPERATION_PATHS = {
     "/api/compute/reservations/renew": "RenewInput",
     "/api/compute/capacity/preview": "PreviewInput",
     "/api/compute/capacity/search": "SearchInput",
+    "/api/compute/pools/list": "PoolsInput",
 }
 
 

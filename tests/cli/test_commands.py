@@ -517,3 +517,13 @@ async def test_capacity_find_lists_the_earliest_windows_and_reserve_takes_the_fi
     assert "Earliest window:" in reserved.stderr, reserved
     assert reserved.json()["during"]["start"] == first["start"]
     assert reserved.json()["state"] == "placed"
+
+
+async def test_pools_shows_what_each_pool_holds_now(cli: Cli):
+    await reserve_json(cli, "--gpus", "3", "--key", "three")
+    shown = await cli("pools", "--tenant", "acme")
+    assert shown.rc == 0, shown
+    assert re.search(r"pool_a\s+H100\s+2/2 ready\s+13/16 gpu\s+3\s+0\s+-", shown.stdout), shown
+    data = await cli("pools", "--tenant", "acme", "-o", "json")
+    [pool_a] = [p for p in data.json()["items"] if p["poolId"] == "pool_a"]
+    assert pool_a["devices"]["gpu"] == {"total": 16, "healthy": 16, "booked": 3, "free": 13}

@@ -44,6 +44,7 @@ def operator_config(kube: KubeApi, db: Database, **overrides: Any) -> OperatorCo
         "api_server": kube.url,
         "api_token": TOKEN,
         "allocation_resync_s": 3600.0,
+        "pool_status_s": 0.5,
     }
     settings.update(overrides)
     return OperatorConfig(**settings)

@@ -428,3 +428,23 @@ async def test_an_offer_lets_another_tenant_book_until_it_is_withdrawn(
 def _by_gina(name: str, *, gpus: int) -> dict[str, Any]:
     """A Reservation in globex's namespace, stamped for one of its members."""
     return kubeworld.reservation(name, namespace="research").by("gina@globex").gpus(gpus).obj()
+
+
+async def test_the_pool_status_shows_free_and_booked_devices_within_seconds(
+    kube_api: KubeApi, db: Database, operator: Operator
+):
+    await apply_world(kube_api, db, nodes=2, gpus=4)
+
+    def devices(free: int, booked: int):
+        def check(o):
+            gpu = ((o or {}).get("status") or {}).get("devices", {}).get("gpu") or {}
+            return (gpu.get("free"), gpu.get("booked"), gpu.get("total")) == (free, booked, 8)
+
+        return check
+
+    await kube_api.wait_for(GPUPOOLS, None, "h100", devices(8, 0), timeout=5)
+    await kube_api.create(kubeworld.reservation("train").gpus(3).obj())
+    pool = await kube_api.wait_for(GPUPOOLS, None, "h100", devices(5, 3), timeout=5)
+    assert pool is not None
+    assert pool["status"]["nodesReady"] == 2
+    assert pool["status"].get("nextFreeAt") is None  # some are free now

@@ -76,6 +76,8 @@ EXPECTED = (
             ("Sharing", "string", ".spec.sharing.mode"),
             ("Owner", "string", ".spec.owner.tenant"),
             ("Nodes", "integer", ".status.nodes"),
+            ("Free", "integer", ".status.devices.gpu.free"),
+            ("Total", "integer", ".status.devices.gpu.total"),
             AGE,
         ),
     ),

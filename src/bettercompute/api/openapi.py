@@ -186,6 +186,47 @@ _ANSWERS: dict[str, Any] = {
             },
         },
     },
+    "PoolList": {
+        "type": "object",
+        "required": ["items"],
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["poolId", "nodes", "nodesReady", "devices"],
+                    "properties": {
+                        "poolId": {"type": "string"},
+                        "name": {"type": "string"},
+                        "region": {"type": "string"},
+                        "gpuModel": {"type": ["string", "null"]},
+                        "sharing": {"type": "string"},
+                        "nodes": {"type": "integer"},
+                        "nodesReady": {"type": "integer"},
+                        "devices": {
+                            "type": "object",
+                            "description": "By class (gpu, mig, slot): total, healthy, booked "
+                            "now, and free now (healthy, unbooked, on a ready node).",
+                            "additionalProperties": {
+                                "type": "object",
+                                "required": ["total", "healthy", "booked", "free"],
+                                "properties": {
+                                    "total": {"type": "integer"},
+                                    "healthy": {"type": "integer"},
+                                    "booked": {"type": "integer"},
+                                    "free": {"type": "integer"},
+                                },
+                            },
+                        },
+                        "nextFreeAt": {
+                            "type": "integer",
+                            "description": "When none is free: when the first booked one frees.",
+                        },
+                    },
+                },
+            }
+        },
+    },
     "SearchResult": {
         "type": "object",
         "required": ["poolId", "from", "horizonEnd", "windows", "never", "message"],

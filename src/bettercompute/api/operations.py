@@ -101,6 +101,13 @@ OPERATIONS: tuple[Operation, ...] = (
         optional=("idempotencyKey",),
     ),
     Operation(
+        name="pools.list",
+        method="pools",
+        model=requests.PoolsInput,
+        answer="PoolList",
+        summary="The tenant's pools and what they hold now: devices total, booked and free",
+    ),
+    Operation(
         name="capacity.search",
         method="search",
         model=requests.SearchInput,

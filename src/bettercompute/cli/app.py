@@ -598,6 +598,21 @@ def cancel(
     _change("cancel", reservation_id=reservation_id, tenant=tenant, url=url, token=token, out=out)
 
 
+@app.command(epilog=_examples("better-compute pools --tenant acme"))
+def pools(
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Your pools (owned or offered) and what they hold now: free, booked, healthy, total."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        with _client(found) as api:
+            answer = api.call("pools/list", {"tenantId": settings.require_tenant(found)})
+        output.emit(answer, output=found.output, table=output.pools, keep_whole=True)
+
+
 # --- dev -----------------------------------------------------------------------------------
 
 

@@ -334,6 +334,31 @@ def preview(data: Any) -> RenderableType:
     return table
 
 
+def pools(data: Any) -> RenderableType:
+    """``pools.list``: one row per pool, devices as free/total by class."""
+    if not isinstance(data, dict):
+        return Text(_scalar(data))
+    items = data.get("items") or []
+    if not items:
+        return Text("no pools")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("POOL", "MODEL", "NODES", "FREE/TOTAL", "BOOKED", "UNHEALTHY", "NEXT FREE"):
+        table.add_column(column)
+    for pool in items:
+        devices = pool.get("devices") or {}
+        classes = sorted(devices)
+        table.add_row(
+            str(pool.get("poolId")),
+            str(pool.get("gpuModel") or "-"),
+            f"{pool.get('nodesReady', 0)}/{pool.get('nodes', 0)} ready",
+            ", ".join(f"{devices[c]['free']}/{devices[c]['total']} {c}" for c in classes) or "-",
+            ", ".join(str(devices[c]["booked"]) for c in classes) or "-",
+            ", ".join(str(devices[c]["total"] - devices[c]["healthy"]) for c in classes) or "-",
+            parsing.format_time(pool["nextFreeAt"]) if pool.get("nextFreeAt") else "-",
+        )
+    return table
+
+
 def search(data: Any) -> RenderableType:
     """``capacity.search``: the windows found, one row each, or why there are none."""
     if not isinstance(data, dict):

@@ -166,6 +166,12 @@ class GetInput(_Input):
     reservationId: ObjectId
 
 
+class PoolsInput(_Input):
+    """``pools.list``: the pools the tenant owns or is offered, with what they hold now."""
+
+    tenantId: TenantId
+
+
 class ListInput(_Input):
     tenantId: TenantId
     scope: Literal["mine", "all"] = "mine"

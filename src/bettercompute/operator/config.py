@@ -48,6 +48,9 @@ class OperatorConfig:
     tenant_group_prefix: str = "bcd.dev:tenant:"
     #: How often every node's DeviceAllocations are compared in full with the store.
     allocation_resync_s: float = 60.0
+    #: How often each GPUPool's status.devices (free, booked, healthy, total) is brought up to
+    #: date (written only when it changed).
+    pool_status_s: float = 5.0
     #: Sign node certificates and revoke them (off: no CSR handlers are registered).
     node_certificates: bool = True
     #: The node agent's service account in ``namespace``: only its node-bound tokens get

@@ -27,7 +27,7 @@ from bettercompute.core.errors import ComputeError
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, podaccess, webhooks
+from bettercompute.operator import definitions, podaccess, statuses, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ def _retry(delay: float | None) -> None:
         raise kopf.TemporaryError("the core asked to try again later", delay=delay)
 
 
-def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
+def make_registry(
+    *, node_certificates: bool = True, pool_status_s: float = 5.0
+) -> kopf.OperatorRegistry:
     """Every handler; ``node_certificates`` False leaves out the signer of node certificates
     (a cluster that does not grant the operator CertificateSigningRequests)."""
     registry = kopf.OperatorRegistry()
@@ -222,6 +224,23 @@ def make_registry(*, node_certificates: bool = True) -> kopf.OperatorRegistry:
             for pool in (old_pool, new_pool):
                 if pool is not None and _first(pool_specs, pool) is not None:
                     await _pool_nodes(runtime, pool)
+
+    @kopf.timer(*GPUPOOLS, interval=pool_status_s, registry=registry)
+    async def pool_capacity_shown(name: str, body: kopf.Body, memo: Any, **_: Any) -> None:
+        # What the pool holds now, for kubectl get gp: written only when it changed.
+        runtime = _runtime(memo)
+        found = await runtime.clusters.pool_capacity(name)
+        if found is None:
+            return
+        nxt = found.get("nextFreeAt")
+        shown = {
+            "nodesReady": found["nodesReady"],
+            "devices": found["devices"],
+            "nextFreeAt": statuses.rfc3339(nxt) if nxt is not None else None,
+        }
+        status = body.get("status") or {}
+        if any(status.get(key) != value for key, value in shown.items()):
+            await runtime.kube.patch(resources.GPUPOOLS, name, {"status": shown}, status=True)
 
     @kopf.timer(*GPUNODES, interval=30.0, idle=30.0, registry=registry)
     async def node_heartbeat_checked(name: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:

@@ -351,7 +351,9 @@ async def _run_kopf(
     signals: supervising.Signals | None,
 ) -> None:
     tasks = await kopf.spawn_tasks(
-        registry=handlers.make_registry(node_certificates=config.node_certificates),
+        registry=handlers.make_registry(
+            node_certificates=config.node_certificates, pool_status_s=config.pool_status_s
+        ),
         settings=kopf_settings(config),
         clusterwide=True,
         memo=kopf.Memo(runtime=runtime),
@@ -498,6 +500,15 @@ def run(
             "must exist, e.g. issued by cert-manager).",
         ),
     ] = True,
+    pool_status_s: Annotated[
+        float,
+        typer.Option(
+            envvar="BCD_POOL_STATUS_S",
+            min=0.5,
+            help="How often each GPUPool's status.devices (free, booked, total) is refreshed "
+            "(written only when it changed).",
+        ),
+    ] = 5.0,
 ) -> None:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     config = OperatorConfig(
@@ -520,6 +531,7 @@ def run(
         node_ca_secret=node_ca_secret,
         node_ca_create=node_ca_create,
         node_certificates=node_certificates,
+        pool_status_s=pool_status_s,
     )
     try:
         asyncio.run(_serve(config))

@@ -12,9 +12,11 @@ away is marked not ready and not connected; their bookings stay.
 
 from __future__ import annotations
 
+from typing import Any
+
 from bettercompute.core.inventories import NodeSpec
 from bettercompute.core.pools import Offer, Pool, PoolDefinition, Quota
-from bettercompute.store import desired, inventory, queries
+from bettercompute.store import capacity, desired, inventory, queries
 from bettercompute.store.database import Database
 
 
@@ -84,6 +86,11 @@ class ClusterService:
         await inventory.replace_offers(self.db, pool_id=pool.id, offers=offers)
         for quota in definition.quotas:
             await self.put_quota(quota)
+
+    async def pool_capacity(self, pool_id: str) -> dict[str, Any] | None:
+        """What the pool holds now (``store.capacity``), or ``None`` for an unknown pool."""
+        found = await capacity.pools(self.db, tenant_id=None, pool_id=pool_id)
+        return found[0] if found else None
 
     async def archive_pool(self, pool_id: str) -> None:
         await inventory.archive_pool(self.db, pool_id=pool_id)

@@ -28,6 +28,7 @@ from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
 from bettercompute.store import (
     admission,
     budgets,
+    capacity,
     extending,
     holding,
     previewing,
@@ -550,6 +551,12 @@ class ReservationService:
             request=requests.normalized_request(value),
             duration_ms=value.duration_ms,
         )
+
+    async def pools(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``pools.list``: the tenant's pools (owned or offered) and what they hold right now."""
+        value = requests.parse(requests.PoolsInput, data)
+        self._precheck(caller, value.tenantId)
+        return {"items": await capacity.pools(self.db, tenant_id=value.tenantId)}
 
     async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``capacity.search``: the earliest windows a create would fit in, booking nothing.
