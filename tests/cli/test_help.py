@@ -23,6 +23,7 @@ COMMANDS = [
     (("release",), "better-compute release rsv_… --tenant acme"),
     (("cancel",), "better-compute cancel rsv_… --tenant acme"),
     (("dev",), "better-compute dev --sim 4 --port 9090"),
+    (("pools",), "better-compute pools --tenant acme"),
 ]
 
 
@@ -84,3 +85,14 @@ async def test_no_command_shows_the_overview(tmp_path: Path):
     assert "reserve" in result.stdout + result.stderr
     assert "reservations" in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_version_short_help_and_completion(tmp_path: Path):
+    version = await run_cli("--version", home=tmp_path)
+    assert version.rc == 0, version
+    assert version.stdout.startswith("better-compute ")
+    short = await run_cli("reserve", "-h", home=tmp_path)
+    assert short.rc == 0, short
+    assert "--gpus" in short.stdout
+    completion = await run_cli("--show-completion", "bash", home=tmp_path)
+    assert "better-compute" in completion.stdout + completion.stderr

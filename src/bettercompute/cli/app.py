@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,8 +47,38 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    # --install-completion / --show-completion for bash, zsh, fish and PowerShell.
+    add_completion=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"better-compute {_installed_version()}")
+        raise typer.Exit()
+
+
+def _installed_version() -> str:
+    try:
+        return metadata.version("better-compute")
+    except metadata.PackageNotFoundError:
+        return "0.0.0 (not installed)"
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """Reserve GPUs from a pool for a time window, and follow, extend, renew, release or
+    cancel the reservation."""
+
+
 reservations_app = typer.Typer(
     help="Read reservations: get one, or list them.",
     epilog=(
