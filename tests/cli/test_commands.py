@@ -459,8 +459,14 @@ async def test_settings_come_from_flag_then_env_then_config(
     assert f"config file {named}: tenant must be a non-empty string" in broken.stderr
 
 
-async def test_no_tenant_anywhere_is_a_usage_error(cli: Cli):
-    result = await cli("reservations", "list")
+async def test_no_tenant_given_is_the_tokens_and_without_a_token_a_usage_error(cli: Cli):
+    # alice's token belongs to acme: the CLI asks the server (whoami) and uses that.
+    mine = await cli(*RESERVE[:1], *RESERVE[3:], "--gpus", "1", "--for", "1h", "-o", "json")
+    assert mine.rc == 0, mine
+    assert mine.json()["tenantId"] == "acme"
+    listed = await cli("reservations", "list", "-o", "json")
+    assert listed.rc == 0, listed
+    result = await cli("reservations", "list", token=None)
     assert result.rc == 2, result
     assert "no tenant: pass --tenant" in result.stderr
 

@@ -186,6 +186,16 @@ _ANSWERS: dict[str, Any] = {
             },
         },
     },
+    "Whoami": {
+        "type": "object",
+        "required": ["identityId", "tenantId", "kind", "groups"],
+        "properties": {
+            "identityId": {"type": "string"},
+            "tenantId": {"type": "string"},
+            "kind": {"type": "string"},
+            "groups": {"type": "array", "items": {"type": "string"}},
+        },
+    },
     "PoolList": {
         "type": "object",
         "required": ["items"],

@@ -101,6 +101,13 @@ OPERATIONS: tuple[Operation, ...] = (
         optional=("idempotencyKey",),
     ),
     Operation(
+        name="whoami",
+        method="whoami",
+        model=requests.WhoamiInput,
+        answer="Whoami",
+        summary="The caller as authenticated: identity, tenant, kind, groups",
+    ),
+    Operation(
         name="pools.list",
         method="pools",
         model=requests.PoolsInput,

@@ -132,6 +132,18 @@ def _client(found: settings.Settings, *, timeout_s: float = 30.0) -> client.ApiC
     return client.ApiClient(url=found.url, token=found.token, timeout_s=timeout_s)
 
 
+def _tenant(found: settings.Settings) -> str:
+    """The tenant given (flag, environment, config file), else the token's own (``whoami``)."""
+    if found.tenant or not (found.url and found.token):
+        return settings.require_tenant(found)
+    with _client(found) as api:
+        who = api.call("whoami", {})
+    tenant = who.get("tenantId") if isinstance(who, dict) else None
+    if not isinstance(tenant, str) or not tenant:
+        return settings.require_tenant(found)
+    return tenant
+
+
 def _print_key(key: str, *, given: bool) -> None:
     if given:
         output.note(f"Idempotency key: {key}")
@@ -259,7 +271,7 @@ def reserve(
     """Reserve GPUs, MIG instances or slots of a pool for a time window."""
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = settings.require_tenant(found)
+        tenant_id = _tenant(found)
         ask = _ask(
             tenant=tenant_id,
             pool=pool,
@@ -381,7 +393,7 @@ def capacity(
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         ask = _ask(
-            tenant=settings.require_tenant(found),
+            tenant=_tenant(found),
             pool=pool,
             duration=duration,
             gpus=gpus,
@@ -444,7 +456,7 @@ def reservations_get(
             except parsing.ParseError as e:
                 raise parsing.ParseError(str(e), option="--query") from None
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = settings.require_tenant(found)
+        tenant_id = _tenant(found)
         with _client(found) as api:
             view = api.call(
                 "reservations/get", {"tenantId": tenant_id, "reservationId": reservation_id}
@@ -493,7 +505,7 @@ def reservations_list(
     """List reservations, newest first: yours by default, the tenant's with --all."""
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body: dict[str, Any] = {"tenantId": settings.require_tenant(found)}
+        body: dict[str, Any] = {"tenantId": _tenant(found)}
         if everyone:
             body["scope"] = "all"
         if state is not None:
@@ -561,7 +573,7 @@ def extend(
     """Move a reservation's end later, decided by policy like a create."""
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = settings.require_tenant(found)
+        tenant_id = _tenant(found)
         chosen_key = key or new_key()
         body = bodies.extend(
             tenant=tenant_id,
@@ -587,7 +599,7 @@ def _change(
 ) -> None:
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body = {"tenantId": settings.require_tenant(found), "reservationId": reservation_id}
+        body = {"tenantId": _tenant(found), "reservationId": reservation_id}
         with _client(found) as api:
             view = api.call(f"reservations/{operation}", body)
         output.emit(view, output=found.output, table=output.reservation_table)
@@ -640,7 +652,7 @@ def pools(
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         with _client(found) as api:
-            answer = api.call("pools/list", {"tenantId": settings.require_tenant(found)})
+            answer = api.call("pools/list", {"tenantId": _tenant(found)})
         output.emit(answer, output=found.output, table=output.pools, keep_whole=True)
 
 

@@ -59,7 +59,8 @@ TenantOption = Annotated[
     str | None,
     typer.Option(
         "--tenant",
-        help="Tenant id (or $BETTER_COMPUTE_TENANT, or tenant in the config file).",
+        help="Tenant id (or $BETTER_COMPUTE_TENANT, or tenant in the config file; else the "
+        "tenant your token belongs to).",
         show_default=False,
     ),
 ]

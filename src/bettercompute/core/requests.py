@@ -166,6 +166,10 @@ class GetInput(_Input):
     reservationId: ObjectId
 
 
+class WhoamiInput(_Input):
+    """``whoami``: no fields; the answer is the caller as the server authenticated it."""
+
+
 class PoolsInput(_Input):
     """``pools.list``: the pools the tenant owns or is offered, with what they hold now."""
 

@@ -552,6 +552,17 @@ class ReservationService:
             duration_ms=value.duration_ms,
         )
 
+    async def whoami(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``whoami``: the caller as authenticated: identity, tenant, kind and groups (so a
+        client can take its tenant from its token)."""
+        requests.parse(requests.WhoamiInput, data)
+        return {
+            "identityId": caller.identity_id,
+            "tenantId": caller.tenant_id,
+            "kind": caller.kind,
+            "groups": list(caller.groups),
+        }
+
     async def pools(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``pools.list``: the tenant's pools (owned or offered) and what they hold right now."""
         value = requests.parse(requests.PoolsInput, data)
