@@ -12,7 +12,7 @@ from typing import Any
 
 from bettercompute.core.inventories import AtomSpec as AtomSpec
 from bettercompute.core.inventories import NodeSpec as NodeSpec
-from bettercompute.store import journal
+from bettercompute.store import journal, placing
 from bettercompute.store.database import Database, jsonb
 
 
@@ -176,6 +176,9 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
         before = await (
             await conn.execute("SELECT pool_id FROM nodes WHERE id = %s FOR UPDATE", (node.id,))
         ).fetchone()
+        # The pools' locks, as a placement holds them: a reservation being admitted either sees
+        # this node as written here, or is pending already when the wake-up below looks.
+        await _lock_pools(conn, [before["pool_id"] if before else None, node.pool_id])
         await conn.execute(
             "INSERT INTO nodes (id, name, pool_id, labels, ready, connected, resources,"
             " foreign_exposure) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
@@ -249,6 +252,7 @@ async def upsert_node(db: Database, node: NodeSpec) -> None:
 
 async def set_atom_health(db: Database, *, node_id: str, device_id: str, healthy: bool) -> None:
     async with db.transaction() as conn:
+        await _lock_node_pool(conn, node_id)
         await conn.execute(
             "UPDATE atoms SET healthy = %s WHERE node_id = %s AND device_id = %s",
             (healthy, node_id, device_id),
@@ -261,6 +265,7 @@ async def set_node_status(
     db: Database, *, node_id: str, ready: bool | None = None, connected: bool | None = None
 ) -> None:
     async with db.transaction() as conn:
+        await _lock_node_pool(conn, node_id)
         await conn.execute(
             "UPDATE nodes SET ready = coalesce(%s, ready), connected = coalesce(%s, connected),"
             " updated_at = compute_now() WHERE id = %s",
@@ -283,6 +288,18 @@ def host_rows(resources: Mapping[str, Any]) -> dict[str, int]:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             rows[name] = value
     return rows
+
+
+async def _lock_pools(conn: Any, pool_ids: list[str | None]) -> None:
+    for pool_id in sorted({p for p in pool_ids if p is not None}):  # one order: no deadlock
+        await placing.lock_pool(conn, pool_id)
+
+
+async def _lock_node_pool(conn: Any, node_id: str) -> None:
+    row = await (
+        await conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,))
+    ).fetchone()
+    await _lock_pools(conn, [row["pool_id"] if row else None])
 
 
 async def _bump(conn: Any, pool_ids: list[str]) -> None:
