@@ -539,12 +539,7 @@ class ReservationService:
             body = {**data, "idempotencyKey": PREVIEW_KEY}
         value = requests.parse(requests.CreateInput, body)
         self._precheck(caller, value.tenantId)
-        if value.binding == "instance":
-            raise ComputeError(
-                ErrorCode.UNSUPPORTED,
-                "binding 'instance' is not supported: VPS instances book through the capacity port",
-                {"field": "binding"},
-            )
+        _no_instance(value)
         return await previewing.preview(
             self.db,
             tenant_id=value.tenantId,
@@ -578,12 +573,7 @@ class ReservationService:
         """
         value = requests.parse(requests.SearchInput, data)
         self._precheck(caller, value.tenantId)
-        if value.binding == "instance":
-            raise ComputeError(
-                ErrorCode.UNSUPPORTED,
-                "binding 'instance' is not supported: VPS instances book through the capacity port",
-                {"field": "binding"},
-            )
+        _no_instance(value)
         return await searching.search(
             self.db,
             tenant_id=value.tenantId,
@@ -707,3 +697,13 @@ def _on_reservation(
             gpu_model=row["gpu_model"] or "other",
         ),
     )
+
+
+def _no_instance(value: requests.CreateInput) -> None:
+    """``binding: 'instance'`` books through the capacity port, not here (``UNSUPPORTED``)."""
+    if value.binding == "instance":
+        raise ComputeError(
+            ErrorCode.UNSUPPORTED,
+            "binding 'instance' is not supported: VPS instances book through the capacity port",
+            {"field": "binding"},
+        )

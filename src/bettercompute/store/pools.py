@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core import pools
+from bettercompute.core import errors, pools
 from bettercompute.store.database import Conn
 
 _POOL = """
@@ -46,4 +46,20 @@ def pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
         policy=pools.PoolPolicy.stored(row["policy"]),
         offered=row["offered"],
         on_budget_exceeded=row["on_budget_exceeded"],
+    )
+
+
+async def resolved_request(
+    conn: Conn, *, tenant_id: str, request: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """What a preview and a search both start with: the pool the tenant sees (``NOT_FOUND``
+    otherwise), its class and binding rules (``core.pools.check_request``), and the request
+    with the host resources a create would book, and its share."""
+    pool_id = str(request["poolId"])
+    pool = await read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
+    if pool is None:
+        raise errors.not_found("pool")
+    pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
+    return pools.resolve_host(
+        request, pool=pool, hosts_share=await host_share(conn, pool_id=pool_id)
     )

@@ -38,13 +38,9 @@ async def preview(
     pool_id = str(request["poolId"])
     async with db.connection() as conn, conn.transaction():
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        pool = await pool_rows.read_pool(conn, pool_id=pool_id, tenant_id=tenant_id)
-        if pool is None:
-            raise errors.not_found("pool")
-        pools.check_request(request=request, pool=pool, tenant_id=tenant_id)
         # The same host resources a create would book: the request's, or the pool's share.
-        request, share = pools.resolve_host(
-            request, pool=pool, hosts_share=await pool_rows.host_share(conn, pool_id=pool_id)
+        request, share = await pool_rows.resolved_request(
+            conn, tenant_id=tenant_id, request=request
         )
         now = await clock.current_time(conn)
         start = now
