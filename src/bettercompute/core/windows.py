@@ -87,6 +87,7 @@ def earliest(
         if atom.node_id in atoms_of:
             atoms_of[atom.node_id].append(atom)
     member = replace(demand, gang_size=1)
+    need = 0 if demand.whole_node else sum(d.count for d in demand.devices)
     starts = sorted({from_ms} | {b[2] for b in bookings if from_ms < b[2] <= latest_start_ms})
     by_start = sorted(bookings, key=itemgetter(1))  # already in start order: one pass
     entering = 0
@@ -131,6 +132,9 @@ def earliest(
             continue
         for node in nodes:
             if node.id not in changed:
+                continue
+            if need and sum(a.healthy and a.id not in taken for a in atoms_of[node.id]) < need:
+                fits.discard(node.id)  # fewer usable devices than one member asks: no placement
                 continue
             alone = placement.Snapshot(
                 nodes=(node,), atoms=atoms_of[node.id], busy=taken, host_busy=host
