@@ -142,3 +142,22 @@ async def test_a_kubelet_that_does_not_answer_keeps_the_last_known_holders(
     await asyncio.sleep(0.5)  # ten passes without a kubelet
     assert len(node.reporter.statuses["alloc_k"]) == calls  # nothing forgotten, nothing new
     assert len(node.warnings.raised) == 1
+
+
+async def test_pods_of_a_preempted_spot_reservation_are_warned_once_with_when(
+    running_node: Node,
+) -> None:
+    node = running_node
+    spec = allocation_spec("alloc_p", ["GPU-2"], resourceName=MINE, reservationNamespace="ml")
+    node.put(spec)
+    node.pod_resources.holding({"ml/train-0": {MINE: ["GPU-2"]}})
+    await _until(_bound_with(node, "alloc_p", pods=["ml/train-0"]))
+    assert node.warnings.raised == []
+    node.put({**spec, "preemptAt": 1_790_000_120_000})  # the operator's notice
+    await _until(lambda: node.warnings.raised)
+    calls = node.pod_resources.calls
+    await _until(lambda: node.pod_resources.calls > calls + 5)
+    ((pod, reason, message),) = node.warnings.raised
+    assert (pod, reason) == ("ml/train-0", converging.PREEMPTED_REASON)
+    assert "rsv_alloc_p is preempted" in message
+    assert signing.rfc3339(1_790_000_120_000) in message

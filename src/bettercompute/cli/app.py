@@ -222,7 +222,10 @@ def reserve(
     spot: Annotated[
         bool,
         typer.Option(
-            "--spot", help="Spot: cheaper, may be preempted.", rich_help_panel=options.OPTIONS
+            "--spot",
+            help="Spot: gives way to regular requests (not started: waits pending; running:"
+            " released after the pool's notice, 120 s by default).",
+            rich_help_panel=options.OPTIONS,
         ),
     ] = False,
     lease: Annotated[

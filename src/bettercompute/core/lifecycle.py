@@ -225,7 +225,9 @@ def decide(
     if r.lease_expires_at is not None and now >= r.lease_expires_at:
         return Release("lease-lapsed")
     if r.end is not None and now >= r.end:
-        return Release("expired")
+        # A spot reservation given notice ends at its deadline, released as preempted.
+        preempted = any(c.get("type") == Condition.PREEMPTED for c in r.conditions)
+        return Release("preempted" if preempted else "expired")
     if r.state == State.PENDING:
         return _pending(r, now)
     if r.state == State.PLACED:

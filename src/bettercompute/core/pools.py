@@ -32,6 +32,8 @@ from bettercompute.core import durations, errors, hosts, placement
 #: Which device class each sharing mode books.
 CLASS_FOR_MODE = {"exclusive": "gpu", "mig": "mig", "timeslice": "slot", "mps": "slot"}
 
+#: Running spot work's notice when the pool's ``policy.spot.noticeSeconds`` names none.
+DEFAULT_SPOT_NOTICE_S = 120
 #: The pool's ``maxPending`` when its policy names none: 24 hours.
 DEFAULT_MAX_PENDING_MS = 24 * 3_600_000
 
@@ -69,6 +71,11 @@ class Admission(Model):
     budgetCheck: Literal["meter", "off"] | None = None
 
 
+class Spot(Model):
+    #: How long running spot work keeps its devices once a regular request preempts it.
+    noticeSeconds: int | None = Field(default=None, ge=0, le=3600)
+
+
 class HostReserve(Model):
     vcpu: int | None = Field(default=None, ge=0, le=4096)
 
@@ -86,6 +93,7 @@ class PoolPolicy(Model):
     perGpu: PerGpu | None = None
     admission: Admission | None = None
     hostReserve: HostReserve | None = None
+    spot: Spot | None = None
 
     @field_validator("maxPending")
     @classmethod
@@ -264,6 +272,16 @@ class PoolInfo:
 
     def visible_to(self, tenant_id: str) -> bool:
         return not self.archived and (self.owner_tenant_id == tenant_id or self.offered)
+
+    @property
+    def spot_notice_s(self) -> int:
+        """How long preempted running spot work keeps its devices (default 120 s)."""
+        spot = self.policy.spot
+        return (
+            DEFAULT_SPOT_NOTICE_S
+            if spot is None or spot.noticeSeconds is None
+            else (spot.noticeSeconds)
+        )
 
     @property
     def max_pending_ms(self) -> int:

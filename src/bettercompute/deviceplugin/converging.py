@@ -117,6 +117,8 @@ class PodWarnings(Protocol):
 
 #: The Event reason on a pod that holds devices of another namespace's reservation.
 INTRUDER_REASON = "ReservationDevicesOfAnotherNamespace"
+#: The Event reason on a pod whose spot reservation is being preempted.
+PREEMPTED_REASON = "ReservationPreempted"
 
 
 def wall_clock_ms() -> int:
@@ -438,6 +440,8 @@ class Converger:
                 f"holders:{allocation.allocation_id}",
                 f"{allocation.allocation_id}: cannot tell which pods hold its devices: {e}",
             )
+        if allocation.preempt_at is not None:
+            await self._warn_preempted(allocation, held.pods)
         namespace = allocation.namespace
         if allocation.own_resource is None or namespace is None:
             return held.pods, ()  # pod access 'shared': any pod may, the report says which
@@ -521,6 +525,22 @@ class Converger:
             allocation_id, since_ms=since if since is not None else self.clock()
         )
 
+    async def _warn_preempted(self, allocation: Allocation, pods: Sequence[str]) -> None:
+        """Each pod holding a preempted spot reservation's devices is told once, with when."""
+        told = self._warned.setdefault(f"preempt:{allocation.allocation_id}", set())
+        when = signing.rfc3339(allocation.preempt_at or 0)
+        for pod in pods:
+            if pod in told:
+                continue
+            message = (
+                f"spot reservation {allocation.reservation_id} is preempted: its devices "
+                f"{', '.join(allocation.device_ids)} on node {self.node_name} go at {when}"
+            )
+            log.warning("%s: %s: %s", allocation.allocation_id, pod, message)
+            if self.warnings is not None:
+                await self.warnings.warn(pod=pod, reason=PREEMPTED_REASON, message=message)
+            told.add(pod)
+
     async def _release(
         self, allocation_id: str, spec: Mapping[str, Any] | None, done: Pass
     ) -> None:
@@ -574,6 +594,7 @@ class Converger:
         await asyncio.to_thread(self.files.remove, allocation_id)
         self.allocations.mark_released(allocation_id)
         self._warned.pop(allocation_id, None)
+        self._warned.pop(f"preempt:{allocation_id}", None)
         done.released.append(allocation_id)
         log.info("%s: released", allocation_id)
         await self._report(allocation_id, _Status("Released", allocation.reservation_id))

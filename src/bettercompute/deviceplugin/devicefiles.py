@@ -98,6 +98,8 @@ class Allocation:
     #: The namespace of the Reservation object it serves; None for one made through the API.
     #: Not written to its files: the spec says it again on every pass.
     namespace: str | None = None
+    #: A spot reservation being preempted: when its devices go (epoch ms).
+    preempt_at: int | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -118,6 +120,7 @@ class Allocation:
                 binding=spec.binding,
                 own_resource=spec.resourceName,
                 namespace=spec.reservationNamespace,
+                preempt_at=spec.preemptAt,
                 limits=None
                 if spec.limits is None
                 else HostLimits(

@@ -73,6 +73,9 @@ class AllocationSpec(_Written):
     reservationNamespace: str | None = Field(
         default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
     )
+    #: A spot reservation being preempted: when its devices go (epoch ms). The node warns the
+    #: pods holding them.
+    preemptAt: int | None = Field(default=None, ge=0, strict=True)
     release: bool = False
 
     def document(self) -> dict[str, Any]:
@@ -150,6 +153,7 @@ def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
         resourceName=_resource_name(row),
         reservationNamespace=row.get("reservationNamespace"),
         limits=Limits(**row["limits"]) if row.get("limits") else None,
+        preemptAt=row.get("preemptAt"),
         release=row["state"] == "releasing",
     ).document()
 

@@ -43,6 +43,7 @@ WARNINGS = frozenset(
         "reservation.expired",
         "reservation.binding-rejected",
         "reservation.preempted",
+        "reservation.preempting",
     }
 )
 

@@ -29,7 +29,7 @@ import psycopg.errors
 
 from bettercompute.core import attributes, errors, hosts, placement, pools, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store import budgets, journal, placing, quotas, views
+from bettercompute.store import budgets, journal, placing, preempting, quotas, views
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Database, jsonb, script, scripted
 
@@ -340,6 +340,26 @@ async def _commit_once(
             host_busy=begun["host_busy"],
         )
         outcome = placement.place(snapshot=snap, demand=wanted)
+        if (
+            isinstance(outcome, placement.NoFit)
+            and not outcome.never
+            and not request.get("spot")
+            and request.get("binding") != "node"
+        ):
+            # A regular request may take the capacity of spot work (never the other way).
+            preempted = await preempting.preempt(
+                conn,
+                cache=db.inventory,
+                pool_id=draft.pool.id,
+                reservation_id=draft.reservation_id,
+                demand=wanted,
+                start=start,
+                end=end,
+                now=now,
+                notice=dt.timedelta(seconds=draft.pool.spot_notice_s),
+            )
+            if preempted is not None:
+                outcome, snap, start, end = preempted
         lease = (
             now + dt.timedelta(seconds=int(request["leaseSeconds"]))
             if request.get("leaseSeconds")

@@ -30,7 +30,8 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     physical GPU in ``deviceIds`` order (the same id for a whole GPU); ``until`` is epoch
     milliseconds; ``reservationNamespace`` is the namespace of the Reservation object that owns
     it (``None`` for one made through the API); ``limits`` is what it booked of its node's host
-    (``core.hosts.limits``), ``None`` when it booked none.
+    (``core.hosts.limits``), ``None`` when it booked none; ``preemptAt`` is the notice deadline
+    (epoch ms) of a spot reservation being preempted, else ``None``.
     """
     async with db.connection() as conn:
         rows = await (
@@ -41,6 +42,9 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                        coalesce(p.policy ->> 'podAccess', 'reservation') AS pod_access,
                        a.device_class, a.device_ids,
                        epoch_ms(a.until) AS until_ms, o.namespace AS reservation_namespace,
+                       (SELECT (c ->> 'deadline')::bigint
+                          FROM jsonb_array_elements(r.conditions) AS c
+                         WHERE c ->> 'type' = 'Preempted' LIMIT 1) AS preempt_at,
                        a.host_vcpu, a.host_memory_gib, a.host_hugepages_1gi,
                        n.resources -> 'numaNodes' AS numa_nodes,
                        coalesce((p.policy -> 'hostReserve' ->> 'vcpu')::integer, 2)
@@ -73,6 +77,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "parentGpus": [row["parents"].get(d, d) for d in row["device_ids"]],
             "until": int(row["until_ms"]),
             "reservationNamespace": row["reservation_namespace"],
+            "preemptAt": row["preempt_at"],
             "limits": hosts.limits(
                 vcpu=row["host_vcpu"],
                 memory_gib=row["host_memory_gib"],
