@@ -94,5 +94,13 @@ async def test_version_short_help_and_completion(tmp_path: Path):
     short = await run_cli("reserve", "-h", home=tmp_path)
     assert short.rc == 0, short
     assert "--gpus" in short.stdout
-    completion = await run_cli("--show-completion", "bash", home=tmp_path)
-    assert "better-compute" in completion.stdout + completion.stderr
+    # What bash asks once completion is installed: the commands that start with "res".
+    completion = await run_cli(
+        home=tmp_path,
+        env={
+            "_BETTER_COMPUTE_COMPLETE": "complete_bash",
+            "COMP_WORDS": "better-compute res",
+            "COMP_CWORD": "1",
+        },
+    )
+    assert completion.stdout.split() == ["reserve", "reservations"], completion
