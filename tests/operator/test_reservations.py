@@ -210,3 +210,34 @@ async def test_a_reservation_that_can_never_fit_says_so_in_its_condition(
     assert obj["status"]["state"] == "pending"
     [condition] = [c for c in obj["status"]["conditions"] if c["type"] == "Unschedulable"]
     assert condition["message"].startswith("never fits this pool: even with every device free")
+
+
+async def test_spot_work_preempted_before_it_starts_shows_it_with_a_warning_event(
+    world: World, operator: Operator
+):
+    later = 4_000_000_000_000  # both in the same future window
+    spot = kubeworld.reservation("spot").gpus(8).start(later).obj()
+    spot["spec"]["spot"] = True
+    await world.kube.create(spot)
+    await world.kube.wait_for(RESERVATIONS, "ml", "spot", _state("placed"))
+    await world.kube.create(kubeworld.reservation("regular").gpus(8).start(later).obj())
+    await world.kube.wait_for(RESERVATIONS, "ml", "regular", _state("placed"))
+    shown = await world.kube.wait_for(
+        RESERVATIONS, "ml", "spot", _condition("Unschedulable", "SpotPreempted")
+    )
+    assert shown is not None
+    assert shown["status"]["state"] == "pending"
+
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:  # the outbox's event reaches the operator a moment later
+        events = await world.kube.list(EVENTS, "ml")
+        warned = [
+            e
+            for e in events
+            if e["involvedObject"]["name"] == "spot" and e["reason"] == "Preempted"
+        ]
+        if warned or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert warned, [(e["reason"], e["message"]) for e in events]
+    assert warned[0]["type"] == "Warning"
