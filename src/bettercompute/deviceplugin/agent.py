@@ -42,7 +42,7 @@ from aiohttp import web
 from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from bettercompute import supervising
+from bettercompute import logformat, supervising
 from bettercompute.deviceplugin import cgroups, converging, enrolling, registering, serving
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
@@ -361,6 +361,13 @@ def _labels(text: str | None) -> dict[str, str] | None:
 
 @cli.command()
 def run(
+    log_format: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_LOG_FORMAT",
+            help="text, or json: one JSON object per line (time, level, logger, message).",
+        ),
+    ] = "text",
     node_name: Annotated[
         str | None,
         typer.Option(
@@ -512,10 +519,11 @@ def run(
     if not node_name:
         typer.echo("Error: no node name: give --node-name or set NODE_NAME", err=True)
         raise typer.Exit(2)
-    logging.basicConfig(
-        level=os.environ.get("LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logformat.configure(level=os.environ.get("LOG_LEVEL", "INFO"), log_format=log_format)
+    except ValueError as e:
+        typer.echo(f"Error: --log-format: {e}", err=True)
+        raise typer.Exit(2) from None
     config = AgentConfig(
         node_name=node_name,
         namespace=namespace,

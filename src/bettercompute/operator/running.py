@@ -31,7 +31,7 @@ import kopf
 import typer
 from aiohttp import web
 
-from bettercompute import supervising
+from bettercompute import logformat, supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
 from bettercompute.core.attestation import Attestation
@@ -500,6 +500,13 @@ def run(
             "must exist, e.g. issued by cert-manager).",
         ),
     ] = True,
+    log_format: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_LOG_FORMAT",
+            help="text, or json: one JSON object per line (time, level, logger, message).",
+        ),
+    ] = "text",
     pool_status_s: Annotated[
         float,
         typer.Option(
@@ -510,7 +517,11 @@ def run(
         ),
     ] = 5.0,
 ) -> None:
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
+    try:
+        logformat.configure(level=os.environ.get("LOG_LEVEL", "INFO"), log_format=log_format)
+    except ValueError as e:
+        typer.echo(f"Error: --log-format: {e}", err=True)
+        raise typer.Exit(2) from None
     config = OperatorConfig(
         database_url=database_url,
         namespace=namespace,

@@ -1,0 +1,43 @@
+"""How the long-running programs (the operator, the node agent) write their logs.
+
+Why a module of its own: both take ``--log-format text|json``; JSON lines (one object per
+record: ``time``, ``level``, ``logger``, ``message``, and kopf's object fields where it adds
+them) are what log pipelines (Loki, Elasticsearch, Cloud Logging) parse without rules. The JSON
+comes from python-json-logger, the maintained formatter for the standard library's logging.
+
+What it must never do: print anything itself, or drop a record's level or message.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+LogFormat = Literal["text", "json"]
+FORMATS: tuple[LogFormat, ...] = ("text", "json")
+TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure(*, level: str = "INFO", log_format: str = "text") -> None:
+    """Send every record of the process to stderr in ``log_format``; ``ValueError`` names a
+    format that is neither."""
+    if log_format not in FORMATS:
+        raise ValueError(f"log format {log_format!r}: must be one of {', '.join(FORMATS)}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(log_format))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def formatter(log_format: str) -> logging.Formatter:
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        return JsonFormatter(
+            "%(asctime)s %(levelname)s %(name)s %(message)s",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            datefmt="%Y-%m-%dT%H:%M:%S%z",
+        )
+    return logging.Formatter(TEXT)
