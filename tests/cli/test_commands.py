@@ -533,3 +533,17 @@ async def test_pools_shows_what_each_pool_holds_now(cli: Cli):
     data = await cli("pools", "--tenant", "acme", "-o", "json")
     [pool_a] = [p for p in data.json()["items"] if p["poolId"] == "pool_a"]
     assert pool_a["devices"]["gpu"] == {"total": 16, "healthy": 16, "booked": 3, "free": 13}
+
+
+async def test_reserve_wait_for_a_state(cli: Cli):
+    placed = await cli(*RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "placed", "-o", "json")
+    assert placed.rc == 0, placed
+    assert placed.json()["state"] == "placed"
+    # No node binds here: it is not active within the second, which is an answer, not an error.
+    waited = await cli(
+        *RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "active", "--wait", "1"
+    )
+    assert waited.rc == 0, waited
+    assert re.search(r"is (placed|binding), not active; follow it with", waited.stderr), waited
+    bad = await cli(*RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "bound")
+    assert bad.rc == 2, bad

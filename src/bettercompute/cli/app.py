@@ -94,6 +94,8 @@ app.add_typer(reservations_app, name="reservations")
 ANSWER_GRACE_S = 15.0
 #: The longest the server holds a create (the guide's cap on ``wait.timeoutMs``).
 SERVER_WAIT_CAP_S = 30.0
+#: How long --wait-for waits when --wait gives no time.
+WAIT_FOR_DEFAULT_S = 600.0
 
 
 def _examples(*lines: str) -> str:
@@ -219,6 +221,15 @@ def reserve(
     cpus: options.CpusOption = None,
     memory: options.MemoryOption = None,
     kubernetes: options.KubernetesOption = False,
+    wait_for_state: Annotated[
+        options.WaitFor | None,
+        typer.Option(
+            "--wait-for",
+            help="Wait until it is 'placed' or 'active' (its devices bound), or ends; for"
+            " --wait seconds, else 10 minutes. Not reaching it is not an error.",
+            rich_help_panel=options.OPTIONS,
+        ),
+    ] = None,
     spot: Annotated[
         bool,
         typer.Option(
@@ -272,6 +283,7 @@ def reserve(
     out: options.OutputOption = None,
 ) -> None:
     """Reserve GPUs, MIG instances or slots of a pool for a time window."""
+    wait_for = None if wait_for_state is None else wait_for_state.value
     with _reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         tenant_id = _tenant(found)
@@ -302,9 +314,13 @@ def reserve(
             # Printed before sending: whatever happens next, the person can retry with it.
             _print_key(chosen_key, given=key is not None)
             view = api.call("reservations/create", body)
-            if wait > 0:
+            if wait > 0 or wait_for is not None:
+                if wait_for is not None and wait == 0:
+                    deadline = time.monotonic() + WAIT_FOR_DEFAULT_S
                 try:
-                    view = waiting.follow(api, tenant=tenant_id, view=view, deadline=deadline)
+                    view = waiting.follow(
+                        api, tenant=tenant_id, view=view, deadline=deadline, until=wait_for
+                    )
                 except client.Failure as e:
                     e.hint = waiting.waited_line(view, tenant=tenant_id, created=True)
                     raise
@@ -315,6 +331,11 @@ def reserve(
             output.note(f"Warning: {never}; change the request or the pool, or release it")
         if waiting.still_running(view):
             output.note(waiting.waited_line(view, tenant=tenant_id))
+        elif wait_for is not None and view.get("state") != wait_for:
+            output.note(
+                f"{view.get('id')} is {view.get('state')}, not {wait_for}; follow it with"
+                f" `better-compute reservations get {view.get('id')} --tenant {tenant_id}`"
+            )
 
 
 def _earliest(api: client.ApiClient, ask: bodies.Ask) -> int:

@@ -11,6 +11,7 @@ differently (the callbacks validate with the same ``parsing`` readers the comman
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Annotated
 
@@ -235,3 +236,10 @@ LimitOption = Annotated[
         rich_help_panel=REQUEST,
     ),
 ]
+
+
+class WaitFor(enum.StrEnum):
+    """``reserve --wait-for``: the state to wait for."""
+
+    placed = "placed"
+    active = "active"

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     # Annotations only: the CLI starts without loading pydantic.
     from bettercompute.core import answers
 
+#: States a reservation never leaves: waiting for another one would never end.
+ENDED = ("released", "expired", "cancelled", "failed", "denied")
+
 #: Polls start quick (a batch may be moments away) and back off so a long wait stays cheap.
 FIRST_POLL_S = 0.25
 LAST_POLL_S = 2.0
@@ -44,23 +47,32 @@ def follow(
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    until: str | None = None,
 ) -> answers.Reservation:
-    """Read the reservation again until its operation stops running or ``deadline`` passes.
+    """Read the reservation again until its operation stops running (or, with ``until``,
+    until it reaches that state or ends) or ``deadline`` passes.
 
     Answers the last read either way. A spinner shows on stderr when it is a terminal.
     """
-    if not still_running(view):
+
+    def waiting(current: Any) -> bool:
+        if until is None:
+            return still_running(current)
+        state = current.get("state") if isinstance(current, dict) else None
+        return still_running(current) or state not in (until, *ENDED)
+
+    if not waiting(view):
         return view
     err = Console(stderr=True)
     # No spinner where nobody watches: stderr piped to a file or a program.
     spinner: contextlib.AbstractContextManager[Any] = (
-        err.status(f"Waiting for {view.get('id')} to be placed…")
+        err.status(f"Waiting for {view.get('id')} to be {until or 'placed'}…")
         if err.is_terminal
         else contextlib.nullcontext()
     )
     delay = FIRST_POLL_S
     with spinner:
-        while still_running(view):
+        while waiting(view):
             left = deadline - clock()
             if left <= 0:
                 break
