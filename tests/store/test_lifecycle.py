@@ -1303,3 +1303,27 @@ async def test_a_hold_cannot_be_said_to_have_intruders(
     )
     await run(db)
     assert conditions(await get(service, rid)) == []
+
+
+async def test_a_unique_start_of_an_id_names_the_reservation(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db)
+    first = await create(service, "a", count=1)
+    second = await create(service, "b", count=1)
+    # ULIDs made in the same moment share their start: find where they differ.
+    common = 0
+    while first["id"][common] == second["id"][common]:
+        common += 1
+    short = first["id"][: max(common + 1, 8)]
+    assert (await get(service, short))["id"] == first["id"]
+    with pytest.raises(ComputeError) as ambiguous:
+        await get(service, first["id"][:common])  # shared by both
+    if common >= 8:
+        assert ambiguous.value.code is ErrorCode.INVALID_INPUT
+        assert first["id"] in ambiguous.value.message
+        assert second["id"] in ambiguous.value.message
+    # Another identity of the tenant cannot use a start of alice's ids.
+    with pytest.raises(ComputeError) as hidden:
+        await service.get(caller("bob"), {"tenantId": "acme", "reservationId": short})
+    assert hidden.value.code is ErrorCode.NOT_FOUND

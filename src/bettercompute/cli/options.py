@@ -66,7 +66,13 @@ TenantOption = Annotated[
     ),
 ]
 IdArgument = Annotated[
-    str, typer.Argument(metavar="ID", help="The reservation id (rsv_…).", show_default=False)
+    str,
+    typer.Argument(
+        metavar="ID",
+        help="The reservation id (rsv_…), or a start of one of yours that no other shares"
+        " (8 characters or more).",
+        show_default=False,
+    ),
 ]
 
 

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from bettercompute import supervising
 from bettercompute.core import answers, errors, ids, pools, ports, requests, states
@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 #: How long a request waits for a concurrent request with the same key to finish admitting.
 SAME_KEY_WAIT_S = 35.0
 RESERVATION = "compute-reservation"
+#: The shortest start of a reservation id taken for the whole id ("rsv_" and 4 more).
+SHORT_ID_MIN = 8
+_WithId = TypeVar(
+    "_WithId",
+    requests.GetInput,
+    requests.ReleaseInput,
+    requests.CancelInput,
+    requests.RenewInput,
+    requests.ExtendInput,
+)
+
 #: Stands in for the idempotency key a preview may leave out; a preview stores nothing.
 PREVIEW_KEY = "capacity-preview"
 #: How long a failed request waits for its claim or hold to be given back before it answers:
@@ -381,9 +392,30 @@ class ReservationService:
         decision = await self._decide(_on_reservation(caller, action, tenant_id, rid, row))
         return decision.allowed
 
+    async def _full_id(self, caller: ports.Caller, value: _WithId) -> _WithId:
+        """``value`` naming its reservation by its full id: a unique start (at least
+        ``SHORT_ID_MIN`` characters) of one of the caller's own reservations is read as that
+        id; a start shared by several is ``INVALID_INPUT`` listing them; anything else stays
+        as given (``NOT_FOUND`` later, as before)."""
+        given = value.reservationId
+        if len(given) < SHORT_ID_MIN:
+            return value
+        found = await queries.ids_starting(
+            self.db, tenant_id=value.tenantId, owner=caller.identity_id, text=given
+        )
+        if not found or found[0] == given:
+            return value
+        if len(found) > 1:
+            shown = ", ".join(found[:5]) + (", …" if len(found) > 5 else "")
+            raise errors.invalid_input(
+                "reservationId", f"'{given}' starts several reservations: {shown}; give more of it"
+            )
+        return value.model_copy(update={"reservationId": found[0]})
+
     async def get(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.GetInput, data)
         self._precheck(caller, value.tenantId)
+        value = await self._full_id(caller, value)
         await self._visible(caller, value.tenantId, value.reservationId, ports.READ)
         return await self._view(value.reservationId)
 
@@ -419,6 +451,7 @@ class ReservationService:
     async def release(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.ReleaseInput, data)
         self._precheck(caller, value.tenantId)
+        value = await self._full_id(caller, value)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
         await releasing.release(
             self.db, reservation_id=value.reservationId, actor=caller.identity_id
@@ -428,6 +461,7 @@ class ReservationService:
     async def cancel(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.CancelInput, data)
         self._precheck(caller, value.tenantId)
+        value = await self._full_id(caller, value)
         await self._visible(caller, value.tenantId, value.reservationId, ports.RELEASE)
         await releasing.cancel(
             self.db, reservation_id=value.reservationId, actor=caller.identity_id
@@ -437,6 +471,7 @@ class ReservationService:
     async def renew(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
         value = requests.parse(requests.RenewInput, data)
         self._precheck(caller, value.tenantId)
+        value = await self._full_id(caller, value)
         await self._visible(caller, value.tenantId, value.reservationId, ports.EXTEND)
         await releasing.renew(self.db, reservation_id=value.reservationId)
         return await self._view(value.reservationId)
@@ -450,6 +485,7 @@ class ReservationService:
         """
         value = requests.parse(requests.ExtendInput, data)
         self._precheck(caller, value.tenantId)
+        value = await self._full_id(caller, value)
         rid = value.reservationId
         row = await _authorization_row(self.db, rid)
         if row is None or row["tenant_id"] != value.tenantId or row["state"] == "draft":

@@ -68,3 +68,21 @@ async def root_tenant(db: Database) -> str | None:
     async with db.connection() as conn:
         row = await (await conn.execute("SELECT id FROM tenants WHERE is_root")).fetchone()
     return None if row is None else str(row["id"])
+
+
+async def ids_starting(
+    db: Database, *, tenant_id: str, owner: str, text: str, limit: int = 6
+) -> list[str]:
+    """Reservation ids of the tenant (drafts left out) equal to ``text``, or starting with it
+    and owned by ``owner``, the exact one first: what a short id given by a person can mean.
+    Only the caller's own are read by their start, so an ambiguity never shows others' ids."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT id FROM reservations WHERE tenant_id = %s AND state <> 'draft'"
+                " AND (id = %s OR (owner_identity_id = %s AND left(id, length(%s)) = %s))"
+                " ORDER BY id = %s DESC, id LIMIT %s",
+                (tenant_id, text, owner, text, text, text, limit),
+            )
+        ).fetchall()
+    return [str(r["id"]) for r in rows]
