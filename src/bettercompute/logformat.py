@@ -21,13 +21,16 @@ TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def configure(*, level: str = "INFO", log_format: str = "text") -> None:
     """Send every record of the process to stderr in ``log_format``; ``ValueError`` names a
-    format that is neither."""
+    format that is neither. Like ``logging.basicConfig``, it leaves logging alone where it is
+    configured already (a program run in-process by a test runner)."""
     if log_format not in FORMATS:
         raise ValueError(f"log format {log_format!r}: must be one of {', '.join(FORMATS)}")
+    root = logging.getLogger()
+    if root.handlers:
+        return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(log_format))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.addHandler(handler)
     root.setLevel(level.upper())
 
 

@@ -24,9 +24,15 @@ def _restore_logging():  # type: ignore[no-untyped-def]
     root.setLevel(level)
 
 
+def fresh() -> None:
+    """As in a new process: no handler yet (pytest's own are put back afterwards)."""
+    logging.getLogger().handlers[:] = []
+
+
 def test_json_lines_carry_time_level_logger_message_and_extras(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    fresh()
     logformat.configure(level="info", log_format="json")
     logging.getLogger("bettercompute.test").warning(
         "bound %s", "alloc_1", extra={"node": "gpu-node-1"}
@@ -44,11 +50,20 @@ def test_json_lines_carry_time_level_logger_message_and_extras(
 def test_text_is_the_default_and_an_unknown_format_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    fresh()
     logformat.configure()
     logging.getLogger("x").info("hello")
     assert capsys.readouterr().err.rstrip().endswith("INFO x: hello")
     with pytest.raises(ValueError, match="must be one of text, json"):
         logformat.configure(log_format="yaml")
+
+
+def test_logging_configured_already_is_left_alone() -> None:
+    fresh()
+    mine = logging.NullHandler()
+    logging.getLogger().addHandler(mine)
+    logformat.configure(log_format="json")
+    assert logging.getLogger().handlers == [mine]
 
 
 @pytest.mark.parametrize(
