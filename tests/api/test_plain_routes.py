@@ -155,6 +155,10 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
         "bettercompute_placement_duration_seconds",
     ):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    assert "_created" not in text  # no creation-timestamp series
+    [build] = [line for line in text.splitlines() if line.startswith("bettercompute_build_info")]
+    assert build.endswith(" 1.0")
+    assert 'version="' in build
     created = "bettercompute_api_operations_total"
     assert sample(text, created, operation="reservations.create", outcome="placed") is None
     assert sample(text, "bettercompute_reservations", state="placed") == 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from importlib import metadata
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -40,6 +41,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -53,10 +55,27 @@ UNMATCHED = "unmatched"
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def _version() -> str:
+    try:
+        return metadata.version("better-compute")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
 class Metrics:
     def __init__(self) -> None:
+        # No ``_created`` series: a timestamp per counter and histogram that dashboards never
+        # use and every scrape carries (prometheus_client's setting is per process).
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
+        build = Gauge(
+            "bettercompute_build_info",
+            "The running build: always 1, its version as a label.",
+            ["version"],
+            registry=self.registry,
+        )
+        build.labels(version=_version()).set(1)
         self.operations = Counter(
             "bettercompute_api_operations",
             "Operation calls by outcome: the error code, or the result (create: the state).",
