@@ -71,7 +71,7 @@ from bettercompute.deviceplugin import inventory, signing
 from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, inventory_problems
 from bettercompute.deviceplugin.cgroups import CgroupError, Cgroups
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
-from bettercompute.deviceplugin.podresources import KubeletUnreachable, PodHolders
+from bettercompute.deviceplugin.podresources import Holdings, KubeletUnreachable, PodHolders
 from bettercompute.kube import allocations as shapes
 from bettercompute.kube.parsing import ShapeError
 
@@ -182,6 +182,8 @@ class Converger:
         self.warnings = warnings
         # Pods already warned, per allocation: one Event per intruder, not one per pass.
         self._warned: dict[str, set[str]] = {}
+        # This pass's PodResources answer (or why there is none), asked once it is needed.
+        self._holdings: Holdings | KubeletUnreachable | None = None
         #: The node's cgroup slices; None where limits cannot be enforced (``no_limits_reason``).
         self.cgroups = cgroups
         self.no_limits_reason = no_limits_reason
@@ -247,6 +249,7 @@ class Converger:
             return await self._sync()
 
     async def _sync(self) -> Pass:
+        self._holdings = None  # who holds what is asked again each pass
         if self.allocations.inventory is None:
             self.allocations.set_inventory(await asyncio.to_thread(self.inventory_source.read))
         done = Pass()
@@ -422,6 +425,18 @@ class Converger:
 
     # --- whose pods hold the devices ----------------------------------------------------
 
+    async def _pods_holding(self, allocation: Allocation) -> list[str]:
+        """The pods holding ``allocation``'s devices, from one PodResources ``List`` per pass
+        (``KubeletUnreachable`` for every allocation of a pass where it did not answer)."""
+        if self._holdings is None:
+            try:
+                self._holdings = await self.pods.holdings()
+            except KubeletUnreachable as e:
+                self._holdings = e
+        if isinstance(self._holdings, KubeletUnreachable):
+            raise self._holdings
+        return self._holdings.holders(devices={allocation.resource_name: allocation.device_ids})
+
     async def _holders(self, held: Held) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The pods holding a bound ``kubernetes`` allocation's devices, and the intruders
         among them (pods outside its Reservation's namespace, in pod access ``reservation``),
@@ -430,9 +445,7 @@ class Converger:
         if allocation.binding != "kubernetes":
             return (), ()
         try:
-            found = await self.pods.holders(
-                devices={allocation.resource_name: allocation.device_ids}
-            )
+            found = await self._pods_holding(allocation)
             held.pods = tuple(sorted(found))
             self._logged.pop(f"holders:{allocation.allocation_id}", None)
         except KubeletUnreachable as e:
@@ -571,9 +584,7 @@ class Converger:
         reason = ""
         if allocation.binding == "kubernetes":
             try:
-                pods = await self.pods.holders(
-                    devices={allocation.resource_name: allocation.device_ids}
-                )
+                pods = await self._pods_holding(allocation)
             except KubeletUnreachable as e:
                 pods = list(held.pods)  # the last we knew; the devices stay held
                 reason = f"kubelet unreachable, devices kept: {e}"

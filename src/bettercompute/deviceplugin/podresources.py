@@ -1,8 +1,9 @@
 """Which pods still hold our devices: a client of the kubelet's PodResources ``List``.
 
 Why it exists: a released allocation's devices may be freed only once no pod uses them, and only
-the kubelet knows which pod got which device. ``converging`` asks here while an allocation is
-``Releasing`` and reports the pods it is waiting for.
+the kubelet knows which pod got which device. ``converging`` asks here once per pass
+(``holdings``) and reads from that answer which pods hold each bound or ``Releasing``
+allocation's devices.
 
 The kubelet answers one ``ContainerDevices`` entry per (device, NUMA node), each with one id, and
 covers regular and restartable init containers (the fact sheet, §4), so entries are grouped by
@@ -31,10 +32,21 @@ class KubeletUnreachable(Exception):
     """The kubelet's PodResources service did not answer; the message says where and why."""
 
 
+class Holdings:
+    """What pods held as of one ``List``: asked about any number of allocations' devices, so a
+    pass over many allocations asks the kubelet once."""
+
+    def __init__(self, response: api_pb2.ListPodResourcesResponse | None = None) -> None:
+        self.response = response
+
+    def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]:
+        return [] if self.response is None else holders_in(self.response, devices=devices)
+
+
 class PodHolders(Protocol):
     """Who holds devices: ``PodResourcesClient`` on a node, anything alike in a test."""
 
-    async def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]: ...
+    async def holdings(self) -> Holdings: ...
 
 
 def holders_in(
@@ -77,5 +89,9 @@ class PodResourcesClient:
             ) from e
         return answer
 
+    async def holdings(self) -> Holdings:
+        return Holdings(await self.list_pods())
+
     async def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]:
-        return holders_in(await self.list_pods(), devices=devices)
+        """One question, one ``List``."""
+        return (await self.holdings()).holders(devices=devices)

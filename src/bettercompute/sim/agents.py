@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +49,7 @@ from bettercompute.deviceplugin.inventory import (
     MigDevice,
     inventory_document,
 )
+from bettercompute.deviceplugin.podresources import Holdings
 from bettercompute.deviceplugin.signing import NodeKey, SigningError
 from bettercompute.kube import allocations
 from bettercompute.sim.inventories import SimNode
@@ -112,8 +113,8 @@ class ServiceReporter:
 class NoPods:
     """No kubelet in dev: no pod ever holds a simulated device."""
 
-    async def holders(self, *, devices: Mapping[str, Collection[str]]) -> list[str]:
-        return []
+    async def holdings(self) -> Holdings:
+        return Holdings()
 
 
 class NodesOf(Protocol):
