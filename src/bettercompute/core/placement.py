@@ -180,15 +180,18 @@ def place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     outcome = _place(snapshot=snapshot, demand=demand)
     if isinstance(outcome, Placed):
         return outcome
+    never = never_fits(snapshot=snapshot, demand=demand)
+    return outcome if never is None else replace(never, rejected=outcome.rejected)
+
+
+def never_fits(*, snapshot: Snapshot, demand: Demand) -> NoFit | None:
+    """Why no node of the pool could hold ``demand`` even with every node ready and every
+    device free and healthy (a ``NoFit`` whose message starts with ``NEVER``), or ``None``."""
     idle = _place(snapshot=_idle(snapshot), demand=demand)
     if isinstance(idle, Placed):
-        return outcome
+        return None
     why = idle.message if not snapshot.nodes else f"even with every device free, {idle.message}"
-    return NoFit(
-        message=f"{NEVER}: {why}",
-        rejected=outcome.rejected,
-        never=True,
-    )
+    return NoFit(message=f"{NEVER}: {why}", rejected=idle.rejected, never=True)
 
 
 def try_place(*, snapshot: Snapshot, demand: Demand) -> Outcome:

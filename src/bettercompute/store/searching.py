@@ -77,12 +77,9 @@ async def search(
         # bookings that can touch it, and read the whole horizon only when that is not enough.
         # (Windows found in the short look are the same the whole look finds first.)
         demand = pools.demand(request=request)
-        # Could it fit at all, with the pool at rest? Then no window will come of waiting.
-        idle = placement.place(
-            snapshot=placement.Snapshot(nodes=snap.nodes, atoms=snap.atoms, busy=frozenset()),
-            demand=demand,
-        )
-        never = idle.message if isinstance(idle, placement.NoFit) and idle.never else None
+        # Could it fit at all, with the pool at rest? If not, no window will come of waiting.
+        at_rest = placement.never_fits(snapshot=snap, demand=demand)
+        never = None if at_rest is None else at_rest.message
         found: windows.Found | None = None
         for look in sorted({min(horizon_ms, FIRST_LOOK_MS), horizon_ms}):
             if never is not None:
