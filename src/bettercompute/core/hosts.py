@@ -179,11 +179,11 @@ def limits(
         "hugepages1Gi": hugepages_1gi,
     }
     nodes = [n for n in numa_nodes or () if isinstance(n, Mapping) and isinstance(n.get("id"), int)]
-    every_cpu = frozenset().union(*(parse_cpulist(_text(n.get("cpus"))) for n in nodes))
-    reserved = frozenset(sorted(every_cpu)[: max(0, reserve_vcpu)])
+    cpus_of = {int(n["id"]): parse_cpulist(_text(n.get("cpus"))) for n in nodes}
+    reserved = frozenset(sorted(frozenset().union(*cpus_of.values()))[: max(0, reserve_vcpu)])
     near = [n for n in nodes if n["id"] in device_numa]
     if near and vcpu:
-        cpus = frozenset().union(*(parse_cpulist(_text(n.get("cpus"))) for n in near)) - reserved
+        cpus = frozenset().union(*(cpus_of[int(n["id"])] for n in near)) - reserved
         if len(cpus) >= vcpu:
             out["cpus"] = format_cpulist(cpus)
     if near and memory_gib:
