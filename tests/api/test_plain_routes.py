@@ -23,6 +23,7 @@ OPERATION_PATHS = {
     "/api/compute/capacity/preview": "PreviewInput",
     "/api/compute/capacity/search": "SearchInput",
     "/api/compute/pools/list": "PoolsInput",
+    "/api/compute/quotas/get": "QuotasInput",
     "/api/compute/whoami": "WhoamiInput",
 }
 

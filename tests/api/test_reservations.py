@@ -336,3 +336,29 @@ async def test_answers_are_json_envelopes_with_a_request_id(api: Api):
     assert set(error.json()) == {"error"}
     assert set(error.json()["error"]) == {"code", "message", "details"}
     assert json.loads(error.text) == error.json()
+
+
+# --- quotas.get ------------------------------------------------------------------------------
+
+
+async def test_quotas_get_shows_each_limit_and_what_live_reservations_charged(api: Api):
+    body = create_body(devices=[{"class": "gpu", "count": 3}], idempotencyKey="q-1")
+    created = await api.ok("reservations/create", body)
+    shown = await api.ok("quotas/get", {"tenantId": "acme"})
+    assert shown == {
+        "tenantId": "acme",
+        "quotas": [{"resource": "gpu:H100", "limit": 16, "used": 3}],
+    }
+    await api.ok("reservations/release", ref(created["id"]))
+    again = await api.ok("quotas/get", {"tenantId": "acme"})
+    assert again["quotas"] == [{"resource": "gpu:H100", "limit": 16, "used": 0}]
+
+
+async def test_quotas_get_of_another_tenant_is_refused_and_bad_input_names_the_field(api: Api):
+    await api.error(
+        "quotas/get", {"tenantId": "acme"}, status=403, code="ACCESS_DENIED", who="gina"
+    )
+    err = await api.error(
+        "quotas/get", {"tenantId": "acme", "resource": "gpu"}, status=400, code="INVALID_INPUT"
+    )
+    assert err["details"]["field"] == "resource"

@@ -330,10 +330,9 @@ def _state(state: str):
 
 def _held_by(pods: list[str]):
     def check(o: Any) -> bool:
-        for c in ((o or {}).get("status") or {}).get("conditions") or ():
-            if c["type"] == "DevicesHeld":
-                return c.get("pods") == pods
-        return False
+        status = (o or {}).get("status") or {}
+        held = (status.get("conditionDetails") or {}).get("DevicesHeld") or {}
+        return held.get("pods") == pods
 
     return check
 
@@ -484,7 +483,7 @@ def _degraded(reason: str | None):
         found = [
             c.get("reason")
             for c in ((o or {}).get("status") or {}).get("conditions") or ()
-            if c["type"] == "Degraded"
+            if c["type"] == "Degraded" and c["status"] == "True"
         ]
         return found == ([reason] if reason else [])
 

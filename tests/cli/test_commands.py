@@ -547,3 +547,16 @@ async def test_reserve_wait_for_a_state(cli: Cli):
     assert re.search(r"is (placed|binding), not active; follow it with", waited.stderr), waited
     bad = await cli(*RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "bound")
     assert bad.rc == 2, bad
+
+
+async def test_quota_shows_used_limit_and_left(cli: Cli):
+    await reserve_json(cli, "--gpus", "3", "--key", "q-three")
+    shown = await cli("quota", "--tenant", "acme")
+    assert shown.rc == 0, shown
+    assert re.search(r"RESOURCE\s+USED\s+LIMIT\s+LEFT", shown.stdout), shown
+    assert re.search(r"gpu:H100\s+3\s+16\s+13", shown.stdout), shown
+    data = await cli("quota", "--tenant", "acme", "-o", "json")
+    assert {"resource": "gpu:H100", "limit": 16, "used": 3} in data.json()["quotas"]
+    other = await cli("quota", "--tenant", "globex")
+    assert other.rc != 0, other
+    assert "not a member of tenant globex" in other.stderr, other

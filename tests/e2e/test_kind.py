@@ -39,7 +39,8 @@ def _status(o: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _conditions(o: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in _status(o).get("conditions") or ()}
+    """The conditions that hold (a cleared one stays, as status "False")."""
+    return {c["type"]: c for c in _status(o).get("conditions") or () if c["status"] == "True"}
 
 
 def _state_in(*states: str):
@@ -140,7 +141,10 @@ def test_a_pod_gets_the_cdi_devices_of_its_reservation_and_release_waits_for_it(
         "rsv",
         "infer-1",
         NS,
-        lambda o: _conditions(o).get("DevicesHeld", {}).get("pods") == [f"{NS}/infer-1"],
+        lambda o: (
+            ((_status(o).get("conditionDetails") or {}).get("DevicesHeld") or {}).get("pods")
+            == [f"{NS}/infer-1"]
+        ),
         what="DevicesHeld by its Pod",
     )
     assert _conditions(held)["DevicesHeld"]["status"] == "True"

@@ -73,8 +73,15 @@ def _state(state: str):
     return lambda o: bool(o) and (o.get("status") or {}).get("state") == state
 
 
+def _details(obj: dict | None, kind: str) -> dict:
+    """What ``status.conditionDetails`` says beyond the ``kind`` condition."""
+    return (((obj or {}).get("status") or {}).get("conditionDetails") or {}).get(kind) or {}
+
+
 def _conditions(o) -> dict[str, dict]:
-    return {c["type"]: c for c in ((o or {}).get("status") or {}).get("conditions") or ()}
+    """The conditions that hold (a cleared one stays, as status "False")."""
+    found = ((o or {}).get("status") or {}).get("conditions") or ()
+    return {c["type"]: c for c in found if c.get("status") == "True"}
 
 
 async def _allocation_of(kube: KubeApi, rid: str) -> dict:
@@ -117,7 +124,7 @@ async def test_a_kubernetes_reservation_reaches_the_kubelet_and_is_released_afte
         RESERVATIONS,
         "ml",
         "train",
-        lambda o: (_conditions(o).get("DevicesHeld") or {}).get("pods") == ["ml/trainer-0"],
+        lambda o: _details(o, "DevicesHeld").get("pods") == ["ml/trainer-0"],
     )
     assert _conditions(held)["DevicesHeld"]["reason"] == "PodsHoldDevices"
     await node.stream(own).wait_devices({})

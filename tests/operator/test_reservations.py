@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bettercompute.core import ports
+from bettercompute.core import moments, ports
 from bettercompute.operator.running import Operator
 from tests.operator.conftest import World
 from tests.support import kubeworld
@@ -241,3 +241,72 @@ async def test_spot_work_preempted_before_it_starts_shows_it_with_a_warning_even
         await asyncio.sleep(0.05)
     assert warned, [(e["reason"], e["message"]) for e in events]
     assert warned[0]["type"] == "Warning"
+
+
+def _ready(o) -> str | None:
+    """What ``kubectl wait --for=condition=Ready`` reads: the Ready condition's status."""
+    for c in ((o or {}).get("status") or {}).get("conditions") or ():
+        if c.get("type") == "Ready":
+            return str(c.get("status"))
+    return None
+
+
+async def test_a_start_written_as_rfc3339_books_that_window_and_ready_waits_for_active(
+    world: World,
+):
+    start_ms = (int(time.time()) + 3 * 3600) * 1000  # whole seconds: as a person writes it
+    manifest = kubeworld.reservation("later").duration("2h").obj()
+    manifest["spec"]["start"] = moments.rfc3339(start_ms)
+    await world.kube.create(manifest)
+    placed = await world.kube.wait_for(RESERVATIONS, "ml", "later", _state("placed"))
+    status = placed["status"]
+    assert status["during"] == {"start": start_ms, "end": start_ms + 2 * 3_600_000}
+    assert status["window"]["start"] == moments.shown(start_ms)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    # kubectl wait --for=condition=Ready keeps waiting: booked, not yet active.
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "Placed")
+    assert conditions["Placed"]["status"] == "True"
+    for condition in conditions.values():
+        assert condition["observedGeneration"] == placed["metadata"]["generation"]
+    assert _ready(placed) == "False"
+
+    # Extended to an RFC 3339 end: the window follows, the extension is acknowledged.
+    until_ms = start_ms + 5 * 3_600_000
+    await world.kube.patch(
+        RESERVATIONS,
+        "ml",
+        "later",
+        {"spec": {"until": moments.rfc3339(until_ms), "extendKey": "ext-1"}},
+    )
+    extended = await world.kube.wait_for(
+        RESERVATIONS,
+        "ml",
+        "later",
+        lambda o: (o["status"].get("extension") or {}).get("key") == "ext-1",
+    )
+    assert extended["status"]["extension"]["extended"] is True
+    assert extended["status"]["during"]["end"] == until_ms
+
+    # Released: Ready is False with the state as its reason, Placed goes False (not away).
+    await world.kube.patch(RESERVATIONS, "ml", "later", {"spec": {"release": True}})
+    gone = await world.kube.wait_for(
+        RESERVATIONS, "ml", "later", lambda o: o["status"].get("state") == "released"
+    )
+    conditions = {c["type"]: c for c in gone["status"]["conditions"]}
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == (
+        "False",
+        "Released",
+    )
+    assert (conditions["Placed"]["status"], conditions["Placed"]["reason"]) == (
+        "False",
+        "Released",
+    )
+
+
+async def test_a_create_refused_at_once_still_shows_ready_false_for_kubectl_wait(world: World):
+    await world.kube.create(kubeworld.reservation("huge").gpus(1000).obj())
+    refused = await world.kube.wait_for(RESERVATIONS, "ml", "huge", _condition("Refused"))
+    conditions = {c["type"]: c for c in refused["status"]["conditions"]}
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "Refused")
+    assert conditions["Placed"]["status"] == "False"
+    assert all(c["observedGeneration"] == 1 for c in conditions.values())

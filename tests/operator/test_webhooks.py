@@ -251,12 +251,14 @@ async def test_an_unstamped_create_is_refused(webhooks: Webhooks):
         ({"colour": "blue"}, "spec.colour:", ""),
         ({"duration": "forever"}, "spec.duration:", ""),
         (
-            {"until": 1_900_000_000_000, "extendBy": "1h", "extendKey": "k"},
+            {"until": "2030-03-17T17:46:40Z", "extendBy": "1h", "extendKey": "k"},
             "spec.until:",
             "not both",
         ),
         ({"extendBy": "1h"}, "spec.extendKey:", "required"),
         ({"release": "yes"}, "spec.release:", "true or false"),
+        ({"start": "next week"}, "spec.start:", "RFC 3339"),
+        ({"until": "2030-03-17 17:46", "extendKey": "k"}, "spec.until:", "RFC 3339"),
     ],
     ids=[
         "count-0",
@@ -266,6 +268,8 @@ async def test_an_unstamped_create_is_refused(webhooks: Webhooks):
         "until-and-by",
         "no-key",
         "release-not-bool",
+        "start-not-rfc3339",
+        "until-not-rfc3339",
     ],
 )
 async def test_an_invalid_spec_is_refused_naming_the_field(
@@ -340,7 +344,7 @@ async def test_an_update_removing_a_stamp_is_refused(webhooks: Webhooks):
     "changes",
     [
         {"extendBy": "2h", "extendKey": "ext-1"},
-        {"until": 1_900_000_000_000, "extendKey": "ext-2"},
+        {"until": "2030-03-17T17:46:40Z", "extendKey": "ext-2"},
         {"release": True},
         {"annotations": {"bcd.dev/renew": "2026-12-02T14:00:00Z"}},
     ],

@@ -11,6 +11,7 @@ import copy
 import json
 from typing import Any
 
+from bettercompute.core import moments
 from bettercompute.deviceplugin import signing
 from bettercompute.kube import names
 from tests.support import nodecerts
@@ -128,7 +129,8 @@ class ReservationBuilder:
         return self
 
     def start(self, epoch_ms: int) -> ReservationBuilder:
-        self._obj["spec"]["start"] = epoch_ms
+        # Written as the CRD takes it (RFC 3339), to the millisecond.
+        self._obj["spec"]["start"] = moments.rfc3339(epoch_ms, exact=True)
         return self
 
     def key(self, key: str) -> ReservationBuilder:

@@ -26,7 +26,8 @@ from pydantic import BaseModel, Field, ValidationError
 from bettercompute.core import pools, requests
 from bettercompute.core.errors import ComputeError
 from bettercompute.kube import allocations, nodes
-from tests.support import crdschema
+from bettercompute.operator import definitions
+from tests.support import crdchecking, crdschema
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 GROUP = "bcd.dev"
@@ -59,10 +60,11 @@ EXPECTED = (
             ("Pool", "string", ".spec.poolId"),
             ("Node(s)", "string", ".status.nodes"),
             # Strings: a date column shows a future start or end as <invalid>.
-            ("Start", "string", ".status.startTime"),
-            ("End", "string", ".status.endTime"),
+            ("Start", "string", ".status.window.start"),
+            ("End", "string", ".status.window.end"),
             ("Resource", "string", ".status.resourceName"),
             ("Binding", "string", ".spec.binding"),
+            ("Lease", "string", ".status.leaseUntil"),
             AGE,
         ),
     ),
@@ -365,8 +367,8 @@ def expected_reservation_spec(model: type[requests.CreateInput]) -> dict[str, An
     for name in ("tenantId", "wait"):
         assert name in fields, f"CreateInput has no {name} any more: revisit the contract"
         del fields[name]
-    fields["until"] = fields["start"]
-    fields["extendBy"] = {"int-or-string": True}
+    # Times and durations are strings there (checked by CEL rules), epoch ms and ms here.
+    fields["start"] = fields["until"] = fields["extendBy"] = {"int-or-string": True}
     fields["extendKey"] = fields["idempotencyKey"]
     fields["release"] = {"type": "boolean"}
     required = sorted(set(shape["required"]) - {"tenantId", "idempotencyKey"})
@@ -506,12 +508,32 @@ def reservation() -> dict[str, Any]:
                     "reason": "PodsHoldDevices",
                     "message": "pods on gpu-node-1 still hold its GPUs",
                     "lastTransitionTime": "2026-09-21T20:00:00Z",
+                    "observedGeneration": 1,
+                },
+                {
+                    "type": "Refused",
+                    "status": "True",
+                    "reason": "INVALID_STATE",
+                    "message": "",
+                    "lastTransitionTime": "2026-09-21T20:00:00Z",
+                    "observedGeneration": 2,
+                },
+                {
+                    "type": "Unschedulable",
+                    "status": "False",
+                    "reason": "Cleared",
+                    "message": "no longer so; it was NoCapacity",
+                    "lastTransitionTime": "2026-09-21T14:13:20Z",
+                    "observedGeneration": 1,
+                },
+            ],
+            "conditionDetails": {
+                "DevicesHeld": {
                     "since": 1790020800000,
                     "nodes": ["gpu-node-1"],
                     "pods": ["ml/trainer-0"],
-                },
-                {"type": "Refused", "status": "True", "reason": "INVALID_STATE", "message": ""},
-            ],
+                }
+            },
             "binding": {
                 "nodeId": "gpu-node-1",
                 "cdiDevices": ["bcd.dev/gpu=GPU-1"],
@@ -777,9 +799,16 @@ def test_preserved_fields_are_kept_and_int_or_string_takes_either():
 
 
 def core_input(spec: dict[str, Any]) -> dict[str, Any]:
-    """What the operator hands the core for a Reservation.spec: the tenant and a key added."""
-    body = {k: v for k, v in spec.items() if k not in MUTABLE}
-    return {"tenantId": "acme", "idempotencyKey": "uid-1", **body}
+    """What the operator hands the core for a Reservation.spec: the tenant and a key added,
+    and ``start`` read from RFC 3339 (the operator's own conversion, which may refuse)."""
+    return definitions.create_request(spec, tenant_id="acme", uid="uid-1")
+
+
+def crd_errors(crds, sample: dict[str, Any]) -> list[str]:
+    """What the API server would refuse (or prune) in ``sample``, CEL rules included."""
+    found = crdschema.validate(sample, schema(crds, "Reservation"))
+    checked = crdchecking.check(sample, None, schema(crds, "Reservation"), status_only=False)
+    return found + [f"{e.path}: {e.message}" for e in checked.errors]
 
 
 GPU = {"class": "gpu", "count": 1}
@@ -809,9 +838,10 @@ GPU = {"class": "gpu", "count": 1}
         ({"spec.duration": True}, "spec.duration"),
         ({"spec.duration": 1.5}, "spec.duration"),
         ({"spec.duration": DELETE}, "spec.duration"),
-        ({"spec.start": -1}, "spec.start"),
-        ({"spec.start": requests.MAX_EPOCH_MS + 1}, "spec.start"),
         ({"spec.start": "soon"}, "spec.start"),
+        ({"spec.start": "2026-12-24T08:00:00"}, "spec.start"),
+        ({"spec.start": "2026-13-24T08:00:00Z"}, "spec.start"),
+        ({"spec.start": "1969-12-31T23:59:59Z"}, "spec.start"),
         ({"spec.gang": {"size": 0}}, "spec.gang.size"),
         ({"spec.gang": {"size": 1025}}, "spec.gang.size"),
         ({"spec.gang": {}}, "spec.gang.size"),
@@ -831,7 +861,8 @@ GPU = {"class": "gpu", "count": 1}
         ),
         ({"spec.idempotencyKey": "has space"}, "spec.idempotencyKey"),
         ({"spec.idempotencyKey": "k" * 257}, "spec.idempotencyKey"),
-        ({"spec.idempotencyKey": ""}, "spec.idempotencyKey"),
+        # (An empty idempotencyKey, refused by the CRD, never reaches the core: the operator
+        # keys such an object by its uid.)
         ({"spec.gpus": 4}, "spec.gpus"),
     ],
 )
@@ -840,22 +871,23 @@ def test_what_the_core_refuses_the_crd_refuses_at_the_same_field(crds, changes, 
     with pytest.raises(ComputeError) as refused:
         requests.parse(requests.CreateInput, core_input(spec))
     assert refused.value.details["field"].startswith(path.removeprefix("spec."))
-    errors = crdschema.validate(changed(reservation(), changes), schema(crds, "Reservation"))
+    errors = crd_errors(crds, changed(reservation(), changes))
     assert [e for e in errors if e.startswith(f"{path}: ")], errors
 
 
 @pytest.mark.parametrize(
     "changes",
     [
-        {"spec.duration": 28_800_000},
         {"spec.duration": "2h30m"},
+        {"spec.duration": "1d"},
         {"spec.devices": [{"class": "mig", "count": 2, "profile": "1g.10gb"}]},
         {"spec.devices": [{"class": "slot", "count": 1}], "spec.spot": True},
         {"spec.devices": [{**GPU, "count": 1024}] * 16},
         {"spec.binding": "node", "spec.node": {"profileId": "p1", "profileVersion": 3}},
-        {"spec.start": 0, "spec.leaseSeconds": 60},
+        {"spec.start": "1970-01-01T00:00:00Z", "spec.leaseSeconds": 60},
+        {"spec.start": "2026-12-24T09:00:00.250+01:00"},
         {
-            "spec.start": 1790000000000,
+            "spec.start": "2026-12-24T08:00:00Z",
             "spec.gang": {"size": 2},
             "spec.binding": "kubernetes",
             "spec.resources": {"vcpu": 32, "memoryGiB": 256, "hugepages1Gi": 0},
@@ -863,16 +895,50 @@ def test_what_the_core_refuses_the_crd_refuses_at_the_same_field(crds, changes, 
             "spec.projectId": "proj-1",
             "spec.idempotencyKey": "train-2026-09-24",
         },
-        {"spec.until": 1790040000000, "spec.extendKey": "train-1-ext-1"},
+        {"spec.until": "2026-12-24T20:00:00Z", "spec.extendKey": "train-1-ext-1"},
         {"spec.extendBy": "4h", "spec.extendKey": "train-1-ext-2"},
-        {"spec.extendBy": 14_400_000, "spec.extendKey": "train-1-ext-3", "spec.release": True},
+        {"spec.extendBy": "90m", "spec.extendKey": "train-1-ext-3", "spec.release": True},
     ],
 )
 def test_what_the_core_accepts_the_crd_accepts(crds, changes):
     sample = changed(reservation(), changes)
     requests.parse(requests.CreateInput, core_input(sample["spec"]))
-    found = crdschema.validate(sample, schema(crds, "Reservation"))
+    found = crd_errors(crds, sample)
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("changes", "path", "shown"),
+    [
+        ({"spec.duration": 28_800_000}, "spec.duration", "'8h'"),
+        ({"spec.duration": "28800000"}, "spec.duration", "'8h'"),
+        ({"spec.duration": "30m2h"}, "spec.duration", "'2h30m'"),
+        ({"spec.start": 1790000000000}, "spec.start", "'2026-12-24T08:00:00Z'"),
+        ({"spec.start": "tomorrow"}, "spec.start", "'2026-12-24T08:00:00Z'"),
+        (
+            {"spec.until": 1790040000000, "spec.extendKey": "k"},
+            "spec.until",
+            "'2026-12-24T08:00:00Z'",
+        ),
+        ({"spec.extendBy": 14_400_000, "spec.extendKey": "k"}, "spec.extendBy", "'90m'"),
+    ],
+)
+def test_a_number_or_a_wrong_form_is_refused_with_the_right_form_shown(crds, changes, path, shown):
+    # The HTTP API takes epoch ms and bare milliseconds; a Reservation takes only the forms a
+    # person reads, and the API server's refusal shows one.
+    errors = crd_errors(crds, changed(reservation(), changes))
+    assert [e for e in errors if e.startswith(f"{path}: ") and shown in e], errors
+
+
+def test_the_operator_reads_a_start_and_until_the_crd_takes_as_epoch_ms():
+    spec = {**reservation()["spec"], "start": "2026-12-24T09:00:00+01:00"}
+    assert core_input(spec)["start"] == 1798099200000
+    # An object written before the CRD took strings keeps its epoch ms.
+    assert core_input({**spec, "start": 1790000000000})["start"] == 1790000000000
+    with pytest.raises(ComputeError) as refused:
+        core_input({**spec, "start": "2026-12-24 08:00"})
+    assert refused.value.details["field"] == "start"
+    assert "RFC 3339" in refused.value.message
 
 
 @pytest.mark.parametrize(

@@ -369,7 +369,40 @@ def test_reservation_status_projects_the_guide_object_for_kubectl():
     assert held["status"] == "True"
     assert held["type"] == "DevicesHeld"
     assert held["lastTransitionTime"] == "2026-09-21T14:13:20Z"  # since, not now
-    assert held["pods"] == ["ml/p"]
+    assert held["observedGeneration"] == 4
+    # metav1.Condition has no room for the rest: it moves beside the conditions.
+    assert "pods" not in held
+    assert status["conditionDetails"]["DevicesHeld"]["pods"] == ["ml/p"]
+    for condition in status["conditions"]:
+        assert set(condition) == {
+            "type",
+            "status",
+            "reason",
+            "message",
+            "lastTransitionTime",
+            "observedGeneration",
+        }
+
+
+def test_a_condition_that_clears_turns_false_and_stays_so():
+    before = statuses.reservation_status(VIEW, nodes=["n1"], generation=4, previous=None, now="T1")
+    cleared_view = {**VIEW, "conditions": []}
+    after = statuses.reservation_status(
+        cleared_view, nodes=["n1"], generation=None, previous=before, now="T2"
+    )
+    held = next(c for c in after["conditions"] if c["type"] == "DevicesHeld")
+    assert held["status"] == "False"
+    assert held["reason"] == "Cleared"
+    assert held["lastTransitionTime"] == "T2"
+    assert held["observedGeneration"] == 4
+    assert after["conditionDetails"] is None
+    later = statuses.reservation_status(
+        cleared_view, nodes=["n1"], generation=5, previous=after, now="T3"
+    )
+    again = next(c for c in later["conditions"] if c["type"] == "DevicesHeld")
+    assert (again["status"], again["lastTransitionTime"]) == ("False", "T2")
+    assert again["observedGeneration"] == 5
+    assert len([c for c in later["conditions"] if c["type"] == "DevicesHeld"]) == 1
 
 
 def test_conditions_keep_their_transition_time_while_they_stand_still():
@@ -396,15 +429,24 @@ def test_a_refusal_stays_through_projections_until_an_operation_succeeds():
         "message": "extend: key reused",
         "lastTransitionTime": "T",
     }
-    shown = {"conditions": statuses.with_refusal({"conditions": [refused]}, refused)}
-    assert shown["conditions"] == [refused]  # replaced, not repeated
-    assert statuses.refused_in(shown) == refused
+    shown = {
+        "conditions": statuses.with_refusal(
+            {"conditions": [refused]}, refused, now="T", generation=3
+        )
+    }
+    assert [c["type"] for c in shown["conditions"]] == ["Refused", "Ready", "Placed"]
+    assert shown["conditions"][0] == {**refused, "observedGeneration": 3}  # replaced, once
+    # Never admitted: kubectl wait still finds Ready, False because of the refusal.
+    ready = shown["conditions"][1]
+    assert (ready["status"], ready["reason"]) == ("False", "Refused")
+    assert statuses.refused_in(shown) == shown["conditions"][0]
     kept = statuses.reservation_status(
         VIEW, nodes=[], generation=None, previous=shown, now="T", refused=refused
     )
-    assert "Refused" in [c["type"] for c in kept["conditions"]]
+    assert ("Refused", "True") in [(c["type"], c["status"]) for c in kept["conditions"]]
     cleared = statuses.reservation_status(VIEW, nodes=[], generation=None, previous=shown, now="T")
-    assert "Refused" not in [c["type"] for c in cleared["conditions"]]
+    assert ("Refused", "False") in [(c["type"], c["status"]) for c in cleared["conditions"]]
+    assert statuses.refused_in(cleared) is None
 
 
 ALICE = {"username": "alice", "groups": ["ml", "system:authenticated"]}

@@ -237,6 +237,31 @@ _ANSWERS: dict[str, Any] = {
             }
         },
     },
+    "QuotaList": {
+        "type": "object",
+        "required": ["tenantId", "quotas"],
+        "properties": {
+            "tenantId": {"type": "string"},
+            "quotas": {
+                "type": "array",
+                "description": "By resource (gpu:<model>, gpuSlices:<model>, vcpu, memoryGiB, "
+                "hugepages1Gi); a resource not listed grants nothing.",
+                "items": {
+                    "type": "object",
+                    "required": ["resource", "limit", "used"],
+                    "properties": {
+                        "resource": {"type": "string"},
+                        "limit": {"type": "integer"},
+                        "used": {
+                            "type": "integer",
+                            "description": "Charged now by live reservations (may exceed a "
+                            "limit lowered since).",
+                        },
+                    },
+                },
+            },
+        },
+    },
     "SearchResult": {
         "type": "object",
         "required": ["poolId", "from", "horizonEnd", "windows", "never", "message"],

@@ -115,6 +115,13 @@ OPERATIONS: tuple[Operation, ...] = (
         summary="The tenant's pools and what they hold now: devices total, booked and free",
     ),
     Operation(
+        name="quotas.get",
+        method="quotas",
+        model=requests.QuotasInput,
+        answer="QuotaList",
+        summary="The tenant's quota: per resource its limit and what is charged now",
+    ),
+    Operation(
         name="capacity.search",
         method="search",
         model=requests.SearchInput,

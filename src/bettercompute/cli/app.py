@@ -680,6 +680,22 @@ def pools(
         output.emit(answer, output=found.output, table=output.pools, keep_whole=True)
 
 
+@app.command(epilog=_examples("better-compute quota", "better-compute quota --tenant acme -o json"))
+def quota(
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Your tenant's quota: per resource (gpu:<model>, vcpu, memoryGiB …) the limit, what live
+    reservations have charged, and what is left. A resource not listed grants nothing."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        with _client(found) as api:
+            answer = api.call("quotas/get", {"tenantId": _tenant(found)})
+        output.emit(answer, output=found.output, table=output.quotas, keep_whole=True)
+
+
 # --- dev -----------------------------------------------------------------------------------
 
 

@@ -359,6 +359,22 @@ def pools(data: Any) -> RenderableType:
     return table
 
 
+def quotas(data: Any) -> RenderableType:
+    """``quotas.get``: one row per resource: used, limit and what is left."""
+    if not isinstance(data, dict):
+        return Text(_scalar(data))
+    items = data.get("quotas") or []
+    if not items:
+        return Text(f"no quota for tenant {data.get('tenantId')}: every charge is refused")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("RESOURCE", "USED", "LIMIT", "LEFT"):
+        table.add_column(column)
+    for row in items:
+        used, limit = int(row.get("used") or 0), int(row.get("limit") or 0)
+        table.add_row(str(row.get("resource")), str(used), str(limit), str(max(limit - used, 0)))
+    return table
+
+
 def search(data: Any) -> RenderableType:
     """``capacity.search``: the windows found, one row each, or why there are none."""
     if not isinstance(data, dict):

@@ -176,6 +176,12 @@ class PoolsInput(_Input):
     tenantId: TenantId
 
 
+class QuotasInput(_Input):
+    """``quotas.get``: the tenant's quota rows, each with its limit and what is charged now."""
+
+    tenantId: TenantId
+
+
 class ListInput(_Input):
     tenantId: TenantId
     scope: Literal["mine", "all"] = "mine"

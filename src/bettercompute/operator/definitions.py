@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from bettercompute.core import errors, pools, ports, validation
+from bettercompute.core import errors, moments, pools, ports, validation
 from bettercompute.core.inventories import AtomSpec, NodeSpec
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, nodes
@@ -30,9 +30,26 @@ def create_request(spec: Mapping[str, Any], *, tenant_id: str, uid: str) -> dict
     """The core's create request: ``spec`` without the fields that change later, in the
     namespace's tenant, keyed by ``spec.idempotencyKey`` or else the object's uid."""
     request = {k: v for k, v in spec.items() if k not in names.NOT_THE_REQUEST}
+    if "start" in request:
+        request["start"] = moment_ms(request["start"], field="start")
     request["tenantId"] = tenant_id
     request["idempotencyKey"] = spec.get("idempotencyKey") or uid
     return request
+
+
+def moment_ms(value: Any, *, field: str) -> Any:
+    """A Reservation's time (``spec.start``, ``spec.until``) as the core takes it, epoch ms;
+    ``field`` is named as the core names its fields (``start``), within ``spec``.
+
+    An RFC 3339 string is what the CRD takes; an integer is an object written before it did
+    (epoch ms, as then), passed on as it is; anything else is left for the core to refuse.
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        return moments.parse_ms(value)
+    except moments.MomentError as e:
+        raise errors.invalid_input(field, str(e)) from None
 
 
 def caller(annotations: Mapping[str, str], *, tenant_id: str) -> ports.Caller:

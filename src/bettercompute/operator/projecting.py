@@ -203,7 +203,12 @@ class Projector:
         rid = (previous or {}).get("id")
         if rid:
             self._refusals[str(rid)] = refused
-        body: dict[str, Any] = {"conditions": statuses.with_refusal(previous, refused)}
+        generation = (extra or {}).get("observedGeneration")
+        body: dict[str, Any] = {
+            "conditions": statuses.with_refusal(
+                previous, refused, now=self.clock(), generation=generation
+            )
+        }
         body.update(extra or {})
         await self.kube.patch(
             resources.RESERVATIONS, name, {"status": body}, namespace=namespace, status=True

@@ -129,12 +129,12 @@ class ReservationDoor:
         spec: Mapping[str, Any],
     ) -> float | None:
         request: dict[str, Any] = {**target, "idempotencyKey": spec["extendKey"]}
-        if spec.get("until") is not None:
-            request["until"] = spec["until"]
         if spec.get("extendBy") is not None:
             request["by"] = spec["extendBy"]
         extension: dict[str, Any] = {"key": spec["extendKey"]}
         try:
+            if spec.get("until") is not None:
+                request["until"] = definitions.moment_ms(spec["until"], field="until")
             answer = await self.service.extend(caller, request)
         except ComputeError as e:
             extension.update(extended=False, error=e.code.value)

@@ -10,10 +10,10 @@ Pure: the clock is passed in; nothing here does I/O.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bettercompute.core import moments
 from bettercompute.core.errors import ComputeError
 
 REFUSED = "Refused"
@@ -27,9 +27,12 @@ PROJECTED = (
     "during",
     "startTime",
     "endTime",
+    "window",
+    "leaseUntil",
     "gpus",
     "nodes",
     "conditions",
+    "conditionDetails",
     "binding",
     "operation",
     "version",
@@ -42,10 +45,7 @@ PROJECTED = (
 
 
 def rfc3339(ms: int | None) -> str | None:
-    if ms is None:
-        return None
-    moment = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return None if ms is None else moments.rfc3339(ms)
 
 
 def conditions(
@@ -54,7 +54,8 @@ def conditions(
     previous: Sequence[Mapping[str, Any]] | None,
     now: str,
 ) -> list[dict[str, Any]]:
-    """The guide's conditions, Kubernetes-style (``status: "True"``, ``lastTransitionTime``)."""
+    """The guide's conditions as ``metav1.Condition``s (``status: "True"``, a CamelCase reason,
+    ``lastTransitionTime``); ``observedGeneration`` is added by ``settle``."""
     before = {c.get("type"): c for c in previous or ()}
     out: list[dict[str, Any]] = []
     for condition in guide:
@@ -63,19 +64,77 @@ def conditions(
         old = before.get(kind)
         since = rfc3339(condition.get("since")) if condition.get("since") else None
         unchanged = old is not None and old.get("reason") == reason and old.get("status") == "True"
-        item: dict[str, Any] = {
-            "type": kind,
-            "status": "True",
-            "reason": reason,
-            "message": str(condition.get("message") or ""),
-            "lastTransitionTime": (
-                since or (old or {}).get("lastTransitionTime") if unchanged else since or now
-            ),
-        }
-        for extra in ("since", "nodes", "pods"):
-            if condition.get(extra) is not None:
-                item[extra] = condition[extra]
-        out.append(item)
+        out.append(
+            {
+                "type": kind,
+                "status": "True",
+                "reason": reason,
+                "message": str(condition.get("message") or ""),
+                "lastTransitionTime": (
+                    since or (old or {}).get("lastTransitionTime") if unchanged else since or now
+                ),
+            }
+        )
+    return out
+
+
+#: What a guide condition says beyond a ``metav1.Condition`` (when it began, on which nodes, by
+#: which pods), shown in ``status.conditionDetails`` under the condition's type.
+DETAILS = ("since", "nodes", "pods")
+
+
+def condition_details(guide: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    found = {
+        str(c.get("type")): {k: c[k] for k in DETAILS if c.get(k) is not None}
+        for c in guide
+        if any(c.get(k) is not None for k in DETAILS)
+    }
+    return found or None
+
+
+CLEARED = "Cleared"
+
+
+def settle(
+    current: Sequence[Mapping[str, Any]],
+    *,
+    previous: Sequence[Mapping[str, Any]] | None,
+    now: str,
+    generation: int | None,
+    observed: int | None = None,
+) -> list[dict[str, Any]]:
+    """``current`` as Kubernetes conventions ask: a condition shown before and no longer
+    reported turns ``status: "False"`` (reason ``Cleared``, its last transition now) instead of
+    disappearing, and every condition carries ``observedGeneration`` (``generation``, or the one
+    it had when a re-projection handles no spec, else the status's ``observed``)."""
+    present = {c.get("type") for c in current}
+    out = [dict(c) for c in current]
+    for old in previous or ():
+        if old.get("type") in present:
+            continue
+        if old.get("status") == "True":
+            out.append(
+                {
+                    "type": old.get("type"),
+                    "status": "False",
+                    "reason": CLEARED,
+                    "message": f"no longer so; it was {old.get('reason')}",
+                    "lastTransitionTime": now,
+                    "observedGeneration": old.get("observedGeneration"),
+                }
+            )
+        else:
+            out.append(dict(old))
+    before = {c.get("type"): c for c in previous or ()}
+    for item in out:
+        seen = generation
+        if seen is None:
+            seen = (
+                item.get("observedGeneration")
+                or (before.get(item["type"]) or {}).get("observedGeneration")
+                or observed
+            )
+        item["observedGeneration"] = int(seen or 0)
     return out
 
 
@@ -176,6 +235,16 @@ def reservation_status(
             "during": during,
             "startTime": rfc3339(during["start"]) if during else None,
             "endTime": rfc3339(during["end"]) if during else None,
+            # What kubectl's columns show: a string reads the same for a past and a future
+            # time (a date column shows a future one as <invalid>).
+            "window": (
+                {"start": moments.shown(during["start"]), "end": moments.shown(during["end"])}
+                if during
+                else None
+            ),
+            "leaseUntil": (
+                moments.shown(view["leaseExpiresAt"]) if view.get("leaseExpiresAt") else None
+            ),
             "gpus": gpus(view.get("request") or {}),
             "nodes": ",".join(nodes) if nodes else None,
             "conditions": conditions(
@@ -183,6 +252,7 @@ def reservation_status(
                 previous=previous.get("conditions"),
                 now=now,
             ),
+            "conditionDetails": condition_details(view.get("conditions") or ()),
             "binding": view.get("binding") or None,
             "operation": view.get("operation"),
             "version": view.get("version"),
@@ -201,6 +271,13 @@ def reservation_status(
         now=now,
         generation=generation,
         refused=refused is not None,
+        observed=previous.get("observedGeneration"),
+    )
+    status["conditions"] = settle(
+        status["conditions"],
+        previous=previous.get("conditions"),
+        now=now,
+        generation=generation,
         observed=previous.get("observedGeneration"),
     )
     if generation is not None:
@@ -231,15 +308,42 @@ def refusal(error: ComputeError, *, operation: str, now: str) -> dict[str, Any]:
 def refused_in(status: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """The ``Refused`` condition a status shows, if any."""
     for condition in (status or {}).get("conditions") or ():
-        if condition.get("type") == REFUSED:
+        if condition.get("type") == REFUSED and condition.get("status") == "True":
             found: Mapping[str, Any] = condition
             return found
     return None
 
 
 def with_refusal(
-    previous: Mapping[str, Any] | None, refused: Mapping[str, Any]
+    previous: Mapping[str, Any] | None,
+    refused: Mapping[str, Any],
+    *,
+    now: str,
+    generation: int | None,
 ) -> list[dict[str, Any]]:
-    """``previous``'s conditions with ``refused`` in place of an older refusal."""
-    kept = [dict(c) for c in (previous or {}).get("conditions") or () if c.get("type") != REFUSED]
-    return [*kept, dict(refused)]
+    """``previous``'s conditions with ``refused`` in place of an older refusal, and ``Ready``
+    and ``Placed`` saying so (an object refused before it was ever admitted shows them too, so
+    ``kubectl wait --for=condition=Ready`` has something to read)."""
+    previous = previous or {}
+    old = previous.get("conditions") or ()
+    kept = [dict(c) for c in old if c.get("type") not in (REFUSED, READY, PLACED)]
+    shown = {k: previous.get(k) for k in ("state", "binding", "during")}
+    current = [
+        *kept,
+        dict(refused),
+        *summary(
+            shown,
+            previous=old,
+            now=now,
+            generation=generation,
+            refused=True,
+            observed=previous.get("observedGeneration"),
+        ),
+    ]
+    return settle(
+        current,
+        previous=old,
+        now=now,
+        generation=generation,
+        observed=previous.get("observedGeneration"),
+    )

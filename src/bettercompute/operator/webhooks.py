@@ -77,8 +77,8 @@ def refusal(
 
 def spec_problem(spec: Mapping[str, Any]) -> str | None:
     """The core's verdict on a Reservation's request, as ``spec.<field>: reason``."""
-    request = definitions.create_request(spec, tenant_id=_ANY_TENANT, uid=_ANY_KEY)
     try:
+        request = definitions.create_request(spec, tenant_id=_ANY_TENANT, uid=_ANY_KEY)
         requests.parse(requests.CreateInput, request)
     except ComputeError as e:
         return "spec." + e.message if e.details.get("field") else e.message
@@ -100,8 +100,11 @@ def mutable_problem(spec: Mapping[str, Any]) -> str | None:
             "reservationId": "rsv_x",
             "idempotencyKey": spec.get("extendKey"),
         }
-        body["until" if has_until else "by"] = spec.get("until" if has_until else "extendBy")
         try:
+            if has_until:
+                body["until"] = definitions.moment_ms(spec["until"], field="until")
+            else:
+                body["by"] = spec.get("extendBy")
             requests.parse(requests.ExtendInput, body)
         except ComputeError as e:
             field = e.details.get("field")

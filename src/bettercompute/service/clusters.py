@@ -12,11 +12,12 @@ away is marked not ready and not connected; their bookings stay.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core.inventories import NodeSpec
 from bettercompute.core.pools import Offer, Pool, PoolDefinition, Quota
-from bettercompute.store import capacity, desired, inventory, queries
+from bettercompute.store import capacity, desired, inventory, queries, quotas
 from bettercompute.store.database import Database
 
 
@@ -64,6 +65,16 @@ class ClusterService:
         await inventory.set_quota(
             self.db, tenant_id=quota.tenant, resource=quota.resource, limit=quota.limit
         )
+
+    async def apply_quota(self, tenant_id: str, limits: Mapping[str, int]) -> None:
+        """The tenant's quota is exactly ``limits`` (a ``GPUQuota``): resources it does not
+        name grant 0 from now on; charges already made stay until their reservations end."""
+        await inventory.ensure_tenant(self.db, tenant_id=tenant_id)
+        await inventory.replace_quotas(self.db, tenant_id=tenant_id, limits=limits)
+
+    async def quotas_of(self, tenant_id: str) -> list[dict[str, Any]]:
+        """The tenant's quota rows: ``{resource, limit, used}``."""
+        return await quotas.of_tenant(self.db, tenant_id=tenant_id)
 
     async def put_budget(self, tenant_id: str, *, gpu_hours: float, window_seconds: int) -> None:
         await inventory.set_budget(

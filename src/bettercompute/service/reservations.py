@@ -33,6 +33,7 @@ from bettercompute.store import (
     holding,
     previewing,
     queries,
+    quotas,
     releasing,
     reports,
     searching,
@@ -599,6 +600,16 @@ class ReservationService:
         value = requests.parse(requests.PoolsInput, data)
         self._precheck(caller, value.tenantId)
         return {"items": await capacity.pools(self.db, tenant_id=value.tenantId)}
+
+    async def quotas(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``quotas.get``: the tenant's quota, per resource its limit and what is charged now
+        (a resource without a row grants nothing)."""
+        value = requests.parse(requests.QuotasInput, data)
+        self._precheck(caller, value.tenantId)
+        return {
+            "tenantId": value.tenantId,
+            "quotas": await quotas.of_tenant(self.db, tenant_id=value.tenantId),
+        }
 
     async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``capacity.search``: the earliest windows a create would fit in, booking nothing.

@@ -141,6 +141,25 @@ async def set_quota(db: Database, *, tenant_id: str, resource: str, limit: int) 
         )
 
 
+async def replace_quotas(db: Database, *, tenant_id: str, limits: Mapping[str, int]) -> None:
+    """The tenant's limits are exactly ``limits``: each given resource set, every other row of
+    the tenant set to 0 (a missing quota grants nothing, as a missing row does). What is charged
+    (``used``) stays: reservations keep their charge until they end."""
+    resources = sorted(limits)
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE quotas SET limit_ = 0 WHERE tenant_id = %s AND NOT (resource = ANY(%s))",
+            (tenant_id, resources),
+        )
+        if resources:
+            await conn.execute(
+                "INSERT INTO quotas (tenant_id, resource, limit_)"
+                " SELECT %s, r, n FROM unnest(%s::text[], %s::bigint[]) AS d(r, n)"
+                " ON CONFLICT (tenant_id, resource) DO UPDATE SET limit_ = excluded.limit_",
+                (tenant_id, resources, [limits[r] for r in resources]),
+            )
+
+
 async def quota(db: Database, *, tenant_id: str, resource: str) -> tuple[int, int] | None:
     """(limit, used) of one quota row, or ``None``."""
     async with db.connection() as conn:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.store.database import Conn
+from bettercompute.store.database import Conn, Database
 
 
 def short_error(short: list[dict[str, Any]]) -> ComputeError:
@@ -35,3 +35,37 @@ async def refund(conn: Conn, *, tenant_id: str, charge: Mapping[str, int] | None
         " WHERE q.tenant_id = %s AND q.resource = d.resource",
         (resources, [charge[r] for r in resources], tenant_id),
     )
+
+
+async def of_tenant(db: Database, *, tenant_id: str) -> list[dict[str, Any]]:
+    """The tenant's quota rows, by resource: ``{resource, limit, used}`` (none: no quota, which
+    grants nothing)."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT resource, limit_, used FROM quotas WHERE tenant_id = %s ORDER BY resource",
+                (tenant_id,),
+            )
+        ).fetchall()
+    return [
+        {"resource": r["resource"], "limit": int(r["limit_"]), "used": int(r["used"])} for r in rows
+    ]
+
+
+async def every_tenant(db: Database) -> list[dict[str, Any]]:
+    """Every quota row: ``{tenantId, resource, limit, used}`` (for the metrics)."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT tenant_id, resource, limit_, used FROM quotas ORDER BY tenant_id, resource"
+            )
+        ).fetchall()
+    return [
+        {
+            "tenantId": r["tenant_id"],
+            "resource": r["resource"],
+            "limit": int(r["limit_"]),
+            "used": int(r["used"]),
+        }
+        for r in rows
+    ]
