@@ -31,6 +31,7 @@ import asyncio
 import base64
 import builtins
 import datetime as dt
+import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from pathlib import Path
@@ -469,15 +470,33 @@ def _error(error: Exception) -> KubeError:
     if isinstance(error, httpx2.HTTPStatusError):
         response = error.response
         try:
-            message = response.text[:500]
+            text = response.text
         except httpx2.ResponseNotRead:  # a watch's streamed answer: its body was not read
-            message = f"HTTP {response.status_code} {response.reason_phrase}"
+            text = f"HTTP {response.status_code} {response.reason_phrase}"
+        said = _status_body(text)
         return KubeError(
-            status=response.status_code, reason=response.reason_phrase or "Error", message=message
+            status=response.status_code,
+            reason=str(said.get("reason") or response.reason_phrase or "Error"),
+            message=str(said.get("message") or text[:500]),
         )
     if isinstance(error, httpx2.HTTPError | OSError | ConfigError):
         return KubeError(status=0, reason="Unreachable", message=_said(error))
     raise error
+
+
+def _status_body(text: str) -> dict[str, Any]:
+    """The API's ``Status`` in an error answer lightkube did not read as one (it reads only an
+    answer whose Content-Type is exactly ``application/json``; ``…; charset=utf-8`` from a
+    proxy or another server is not), else ``{}``."""
+    if not text.lstrip().startswith("{"):
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {}
+    if isinstance(body, dict) and body.get("kind") == "Status":
+        return body
+    return {}
 
 
 def _said(error: BaseException) -> str:
