@@ -10,7 +10,7 @@ from typing import Any
 from bettercompute.api import errors
 from bettercompute.core import requests
 from bettercompute.store.database import Database
-from tests.api.conftest import Api, Serve, build_world, create_body
+from tests.api.conftest import POOL, Api, Serve, build_world, create_body
 
 OPERATION_PATHS = {
     "/api/compute/reservations/create": "CreateInput",
@@ -154,6 +154,10 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
         "bettercompute_database_up",
         "bettercompute_decision_duration_seconds",
         "bettercompute_placement_duration_seconds",
+        "bettercompute_gpus",
+        "bettercompute_quota_used",
+        "bettercompute_quota_limit",
+        "bettercompute_reservation_wait_seconds",
     ):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert "_created" not in text  # no creation-timestamp series
@@ -162,8 +166,14 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
     assert 'version="' in build
     created = "bettercompute_api_operations_total"
     assert sample(text, created, operation="reservations.create", outcome="placed") is None
-    assert sample(text, "bettercompute_reservations", state="placed") == 0
+    assert sample(text, "bettercompute_reservations", pool=POOL, state="placed") == 0
     assert sample(text, "bettercompute_database_up") == 1
+    gpus = {"pool": POOL, "model": "H100"}
+    assert sample(text, "bettercompute_gpus", **gpus, state="free") == 16
+    assert sample(text, "bettercompute_gpus", **gpus, state="booked") == 0
+    quota = {"tenant": "acme", "resource": "gpu:H100"}
+    assert sample(text, "bettercompute_quota_limit", **quota) == 16
+    assert sample(text, "bettercompute_quota_used", **quota) == 0
 
     await api.ok("reservations/create", create_body())
     await api.error(
@@ -175,7 +185,15 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
     after = (await api.client.get("/metrics")).text
     assert sample(after, created, operation="reservations.create", outcome="placed") == 1
     assert sample(after, created, operation="reservations.get", outcome="NOT_FOUND") == 1
-    assert sample(after, "bettercompute_reservations", state="placed") == 1
+    assert sample(after, "bettercompute_reservations", pool=POOL, state="placed") == 1
+    assert sample(after, "bettercompute_gpus", **gpus, state="booked") == 4
+    assert sample(after, "bettercompute_gpus", **gpus, state="free") == 12
+    assert sample(after, "bettercompute_quota_used", **quota) == 4
+    # The wait that ended since the last scrape: one placement, observed once.
+    waited = {"pool": POOL, "phase": "placed"}
+    assert sample(after, "bettercompute_reservation_wait_seconds_count", **waited) == 1
+    again = (await api.client.get("/metrics")).text
+    assert sample(again, "bettercompute_reservation_wait_seconds_count", **waited) == 1
     assert (sample(after, "bettercompute_work_queue_depth") or 0) >= 1
     count = sample(
         after,

@@ -30,8 +30,12 @@ POOL = {
     "sharing": {"mode": "exclusive"},
     "policy": {"kubernetes": True, "maxPending": "24h"},
     "nodeSelector": {"matchLabels": {"bcd.dev/pool": "h100-train"}},
-    "owner": {"tenant": "acme", "quotas": {"gpu:H100": 16}},
-    "offers": [{"tenant": "globex", "onBudgetExceeded": "stop-new", "quotas": {"gpu:H100": 8}}],
+    "owner": {"tenant": "acme"},
+    "offers": [{"tenant": "globex", "onBudgetExceeded": "stop-new"}],
+}
+QUOTAS = {
+    "acme": {"tenant": "acme", "limits": {"gpu:H100": 16}},
+    "globex": {"tenant": "globex", "limits": {"gpu:H100": 8}},
 }
 
 
@@ -55,6 +59,7 @@ def full() -> dict[str, Any]:
         },
         "policies": {"includeDefaults": False, "files": {"one-week-at-most": POLICY}},
         "pools": {"h100-train": POOL},
+        "quotas": QUOTAS,
         "webhook": {"failurePolicy": "Fail", "timeoutSeconds": 5, "rotateOnUpgrade": True},
         "devicePlugin": {
             "nodeSelector": {"bcd.dev/gpu-node": "true"},

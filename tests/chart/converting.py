@@ -1,4 +1,5 @@
-"""The GPUPool CRD's spec schema as the JSON Schema that ``values.schema.json`` uses for ``pools``.
+"""The GPUPool and GPUQuota CRDs' spec schemas as the JSON Schema ``values.schema.json`` uses for
+``pools`` and ``quotas``.
 
 Why it exists: a pool given as a Helm value must fail ``helm install`` with the field's name
 when the API server would refuse it, and must not lose a misspelt field to pruning without a
@@ -53,12 +54,20 @@ _SERVER_ONLY = frozenset(
 )
 
 
+_EMPTY = "size(self) == 0"
+
+
 def json_schema(node: Mapping[str, Any], *, where: str = "spec") -> dict[str, Any]:
     """One OpenAPI node as strict JSON Schema."""
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _KEPT:
             out[key] = value
+        elif key == "x-kubernetes-validations":
+            # The one rule JSON Schema can say too, so helm refuses it before the API server:
+            # an object that must stay empty (a GPUPool's quotas, moved to GPUQuota).
+            if any(rule.get("rule") == _EMPTY for rule in value):
+                out["maxProperties"] = 0
         elif key in _SERVER_ONLY or key in ("type", "nullable", "x-kubernetes-int-or-string"):
             continue
         elif key == "properties":
@@ -88,11 +97,20 @@ def pool_spec_schema() -> dict[str, Any]:
     return json_schema(spec)
 
 
+def quota_spec_schema() -> dict[str, Any]:
+    """The GPUQuota CRD's ``spec`` schema, converted."""
+    crd = yaml.safe_load((CRDS / "gpuquotas.yaml").read_text(encoding="utf-8"))
+    (version,) = crd["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return json_schema(spec)
+
+
 def main() -> None:
     schema = json.loads(VALUES_SCHEMA.read_text(encoding="utf-8"))
     schema["definitions"]["poolSpec"] = pool_spec_schema()
+    schema["definitions"]["quotaSpec"] = quota_spec_schema()
     VALUES_SCHEMA.write_text(json.dumps(schema, indent=2) + "\n", encoding="utf-8")
-    sys.stdout.write(f"wrote definitions.poolSpec in {VALUES_SCHEMA}\n")
+    sys.stdout.write(f"wrote definitions.poolSpec and quotaSpec in {VALUES_SCHEMA}\n")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ def test_every_default_object_is_valid(defaults: rendering.Rendered, schemas):
 
 def test_every_object_with_every_option_on_is_valid(everything: rendering.Rendered, schemas):
     _assert_all_valid(everything, schemas)
-    assert {"GPUPool", "NetworkPolicy", "ServiceMonitor", "ConfigMap"} <= set(everything.kinds())
+    assert {"GPUPool", "GPUQuota", "NetworkPolicy", "ServiceMonitor", "ConfigMap"} <= set(
+        everything.kinds()
+    )
 
 
 def test_every_object_with_cert_manager_is_valid(render: Callable, schemas):
@@ -125,6 +127,7 @@ def test_every_namespaced_object_is_in_the_release_namespace(everything: renderi
         "ValidatingAdmissionPolicyBinding",
         "ClusterKopfPeering",
         "GPUPool",
+        "GPUQuota",
     }
     for obj in everything.objects:
         if obj["kind"] in cluster_scoped:
@@ -149,6 +152,16 @@ def test_pools_become_gpupools_the_operator_accepts(everything: rendering.Render
     assert pool["spec"] == POOL
     definition = definitions.pool_definition("h100-train", pool["spec"])
     assert definition.pool_id == "h100-train"
+
+
+def test_quotas_become_gpuquotas_the_operator_accepts(everything: rendering.Rendered):
+    from bettercompute.operator import quotas
+    from tests.chart.conftest import QUOTAS
+
+    for name, spec in QUOTAS.items():
+        quota = everything.one("GPUQuota", name)
+        assert quota["spec"] == spec
+        assert quotas.parse(quota["spec"]).tenant == spec["tenant"]
 
 
 def test_notes_tell_what_to_do_next(defaults: rendering.Rendered, everything: rendering.Rendered):

@@ -50,6 +50,8 @@ EXPECTED = [
     ("ClusterRole", OPERATOR, "bcd.dev", "reservations", None, "get", "the pod webhook"),
     ("ClusterRole", OPERATOR, "bcd.dev", "reservations/status", None, "patch", "projecting.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpupools/status", None, "patch", "handlers.py"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpuquotas", None, "list watch patch", "kopf"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "gpuquotas/status", None, "patch", "handlers.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
     ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
@@ -353,6 +355,7 @@ async def test_every_call_of_a_reservations_life_is_allowed(
     await kube_api.create({**kubeworld.namespace("ml", tenant="acme")})
     await kube_api.create(kubeworld.namespace(kubeworld.OPERATOR_NAMESPACE, tenant=None))
     await kube_api.create(everything.one("ClusterKopfPeering"))
+    await kube_api.create(kubeworld.gpuquota("acme", {"gpu:H100": 64}))
     await kube_api.create(kubeworld.gpupool("h100"))
     config = OperatorConfig(
         database_url=db.dsn,

@@ -532,7 +532,13 @@ async def test_pools_shows_what_each_pool_holds_now(cli: Cli):
     assert re.search(r"pool_a\s+H100\s+2/2 ready\s+13/16 gpu\s+3\s+0\s+-", shown.stdout), shown
     data = await cli("pools", "--tenant", "acme", "-o", "json")
     [pool_a] = [p for p in data.json()["items"] if p["poolId"] == "pool_a"]
-    assert pool_a["devices"]["gpu"] == {"total": 16, "healthy": 16, "booked": 3, "free": 13}
+    assert pool_a["devices"]["gpu"] == {
+        "total": 16,
+        "healthy": 16,
+        "booked": 3,
+        "bound": 0,
+        "free": 13,
+    }
 
 
 async def test_reserve_wait_for_a_state(cli: Cli):

@@ -179,12 +179,17 @@ async def test_metrics_and_probes(kube_api: KubeApi, kubelet_node: Node, agent: 
     metrics = await _get(agent, "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     lines = metrics.text.splitlines()
-    assert 'bcd_deviceplugin_advertised_devices{resource="bcd.dev/gpu"} 2.0' in lines
-    assert 'bcd_deviceplugin_advertised_devices{resource="bcd.dev/gpu.mig"} 0.0' in lines
-    assert 'bcd_deviceplugin_allocations{phase="bound"} 1.0' in lines
+    assert 'bettercompute_node_advertised_devices{resource="bcd.dev/gpu"} 2.0' in lines
+    assert 'bettercompute_node_advertised_devices{resource="bcd.dev/gpu.mig"} 0.0' in lines
+    assert 'bettercompute_node_allocations{phase="bound"} 1.0' in lines
     assert any(
-        line.startswith("bcd_deviceplugin_gpunode_published_timestamp_seconds ") for line in lines
+        line.startswith("bettercompute_node_gpunode_published_timestamp_seconds ") for line in lines
     )
+    # One prefix with the operator's, a build label, and no _created series.
+    assert any(line.startswith('bettercompute_build_info{version="') for line in lines)
+    assert "bettercompute_node_gpunode_publish_failures_total 0.0" in lines
+    assert not [line for line in lines if "_created" in line]
+    assert not [line for line in lines if line.startswith("bcd_")]
 
     # A kubelet that restarts forgets the plugin: not ready until registered again.
     await kubelet_node.kubelet.stop()

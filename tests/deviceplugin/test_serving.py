@@ -85,14 +85,14 @@ async def test_allocate_answers_cdi_devices_envs_and_annotations(running_node: N
 
     assert node.plugin is not None
     histogram = node.registry.get_sample_value(
-        "bcd_deviceplugin_allocate_seconds_count", {"resource": GPU}
+        "bettercompute_node_allocate_duration_seconds_count", {"resource": GPU}
     )
     assert histogram == 1.0
     assert (
-        node.registry.get_sample_value("bcd_deviceplugin_advertised_devices", {"resource": SLOT})
+        node.registry.get_sample_value("bettercompute_node_advertised_devices", {"resource": SLOT})
         == 2.0
     )
-    assert node.registry.get_sample_value("bcd_deviceplugin_allocations", {"phase": "bound"}) == 3
+    assert node.registry.get_sample_value("bettercompute_node_allocations", {"phase": "bound"}) == 3
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ def _state_in(*states: str):
 
 def _setup_tenancy(cluster: clusters.Cluster) -> None:
     cluster.apply(EXAMPLES / "namespace.yaml")
+    cluster.apply(EXAMPLES / "gpuquota.yaml")
     cluster.apply(EXAMPLES / "gpupool.yaml")
     cluster.wait_for(
         "gpupool", "h100-train", None, lambda o: _status(o).get("nodes") == 1, what="given its node"

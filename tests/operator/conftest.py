@@ -21,7 +21,7 @@ from bettercompute.operator.config import OperatorConfig
 from bettercompute.operator.running import Operator, started
 from bettercompute.store.database import Database
 from tests.support import kubeworld, nodecerts
-from tests.support.kubeobjects import GPUNODES, GPUPOOLS, SECRETS
+from tests.support.kubeobjects import GPUNODES, GPUPOOLS, GPUQUOTAS, SECRETS
 from tests.support.kubeserver import TOKEN, KubeApi
 from tests.support.policies import CountingPolicy
 
@@ -101,11 +101,19 @@ async def apply_world(
     nodes: int = 1,
     gpus: int = 8,
     tenant_namespaces: dict[str, str] | None = None,
+    quota: int = 64,
     **pool_options: Any,
 ) -> World:
-    for ns, tenant in (tenant_namespaces or {"ml": "acme"}).items():
+    """Namespaces of tenants, a GPUPool with its GPUNodes, and a GPUQuota of ``quota`` GPUs of
+    the pool's model for every tenant named."""
+    tenants = tenant_namespaces or {"ml": "acme"}
+    for ns, tenant in tenants.items():
         await kube.create(kubeworld.namespace(ns, tenant=tenant))
     await kube.create(kubeworld.namespace(kubeworld.OPERATOR_NAMESPACE, tenant=None))
+    model = pool_options.get("model", "H100")
+    named = sorted({t for t in tenants.values() if t} | {pool_options.get("owner", "acme")})
+    for tenant in named:
+        await kube.create(kubeworld.gpuquota(tenant, {f"gpu:{model}": quota}))
     await kube.create(kubeworld.gpupool(pool, **pool_options))
     names = [f"{pool}-node-{i}" for i in range(nodes)]
     for name in names:
@@ -130,7 +138,16 @@ async def apply_world(
         ),
     )
     await _wait_atoms(db, count=nodes * gpus)
+    for tenant in named:
+        await kube.wait_for(GPUQUOTAS, None, tenant, lambda o: bool(o) and _ready(o) == "True")
     return World(kube=kube, db=db, nodes=names)
+
+
+def _ready(obj: dict[str, Any]) -> str | None:
+    for condition in (obj.get("status") or {}).get("conditions") or ():
+        if condition.get("type") == "Ready":
+            return str(condition.get("status"))
+    return None
 
 
 async def _wait_atoms(db: Database, *, count: int, within_s: float = 5.0) -> None:

@@ -20,7 +20,7 @@ from bettercompute.store.database import Database
 from tests.deviceplugin import agents
 from tests.deviceplugin.conftest import GPU, MIG, NODE, SLOT, Node
 from tests.support import kubeworld, nodecerts
-from tests.support.kubeobjects import DEVICEALLOCATIONS, RESERVATIONS
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS
 from tests.support.kubeserver import KubeApi
 
 NS = kubeworld.OPERATOR_NAMESPACE
@@ -40,6 +40,7 @@ async def agent(
     a node with that label: its GPUNode is the only one, and the agent writes it."""
     await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
     await kube_api.create(kubeworld.namespace(NS, tenant=None))
+    await kube_api.create(kubeworld.gpuquota("acme", {"gpu:H100": 64}))
     await kube_api.create(kubeworld.gpupool("h100"))
     config = agents.agent_config(kube=kube_api, node=node)
     async with started(config) as running:
@@ -101,6 +102,15 @@ async def test_a_kubernetes_reservation_reaches_the_kubelet_and_is_released_afte
     active = await kube_api.wait_for(RESERVATIONS, "ml", "train", _state("active"))
     rid = active["status"]["id"]
     assert active["status"]["nodes"] == NODE
+    # kubectl get gp: the pool's status counts the two devices as bound (held while active).
+    await kube_api.wait_for(
+        GPUPOOLS,
+        None,
+        "h100",
+        lambda o: (
+            (((o or {}).get("status") or {}).get("devices") or {}).get("gpu", {}).get("bound") == 2
+        ),
+    )
 
     # Active with exactly the CDI devices the agent reported, and those devices advertised.
     allocation = await _allocation_of(kube_api, rid)

@@ -431,6 +431,7 @@ async def test_the_enrolled_agents_own_certificate_makes_its_binding_count(
     kube_api.tokens["node-token"] = _user(AGENT, node=agents.NODE)
     await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
     await kube_api.create(kubeworld.namespace(NS, tenant=None))
+    await kube_api.create(kubeworld.gpuquota("acme", {"gpu:H100": 64}))
     await kube_api.create(kubeworld.gpupool("h100"))
     async with agent_running(kube_api, node, "node-token") as agent:
         await _until(lambda: agent.certificate_pem is not None)

@@ -21,7 +21,7 @@ from bettercompute.operator.running import Operator
 from bettercompute.store.database import Database
 from tests.operator.conftest import World, apply_world
 from tests.support import kubeworld
-from tests.support.kubeobjects import GPUNODES, GPUPOOLS, RESERVATIONS
+from tests.support.kubeobjects import GPUNODES, GPUPOOLS, GPUQUOTAS, RESERVATIONS
 from tests.support.kubeserver import KubeApi
 
 Row = dict[str, Any]
@@ -80,6 +80,10 @@ def _ready_condition(pool: dict[str, Any] | None) -> dict[str, Any] | None:
             found: dict[str, Any] = c
             return found
     return None
+
+
+def _limits(obj: Any) -> dict[str, int] | None:
+    return ((obj or {}).get("status") or {}).get("limits")
 
 
 def _applied(generation: int) -> Callable[[Any], bool]:
@@ -172,6 +176,7 @@ async def test_nodes_arriving_while_the_pool_applies_do_not_break_it(
         await _rows_until(db, NODE, (name,), bool)
     async with db.transaction() as conn:
         await conn.execute("SELECT id FROM nodes WHERE id = ANY(%s) FOR UPDATE", (first,))
+        await kube_api.create(kubeworld.gpuquota("acme", {"gpu:H100": 64}))
         await kube_api.create(kubeworld.gpupool("h100"))
         await _rows_until(db, POOL, ("h100",), bool)  # its handler now waits on the lock
         for name in then:
@@ -313,7 +318,7 @@ async def test_a_mig_pool_books_mig_instances_by_profile(
 ):
     await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
     pool = kubeworld.gpupool("a100-mig", model="A100", mode="mig")
-    pool["spec"]["owner"]["quotas"] = {"gpuSlices:A100": 14}
+    await kube_api.create(kubeworld.gpuquota("acme", {"gpuSlices:A100": 14}))
     profiles = ("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb")
     await _node(
         kube_api,
@@ -346,7 +351,7 @@ async def test_a_mig_pool_books_mig_instances_by_profile(
 async def test_a_timeslice_pool_books_slots(kube_api: KubeApi, db: Database, operator: Operator):
     await kube_api.create(kubeworld.namespace("ml", tenant="acme"))
     pool = kubeworld.gpupool("shared", mode="timeslice", replicas=4)
-    pool["spec"]["owner"]["quotas"] = {"gpuSlices:H100": 16}
+    await kube_api.create(kubeworld.gpuquota("acme", {"gpuSlices:H100": 16}))
     await _node(
         kube_api,
         "shared-0",
@@ -399,7 +404,9 @@ async def test_an_offer_lets_another_tenant_book_until_it_is_withdrawn(
 ):
     world = await apply_world(kube_api, db, tenant_namespaces={"ml": "acme", "research": "globex"})
     kube = world.kube
-    offers = [{"tenant": "globex", "quotas": {"gpu:H100": 4}}]
+    await kube.patch(GPUQUOTAS, None, "globex", {"spec": {"limits": {"gpu:H100": 4}}})
+    await kube.wait_for(GPUQUOTAS, None, "globex", lambda o: _limits(o) == {"gpu:H100": 4})
+    offers = [{"tenant": "globex"}]
     patched = await kube.patch(GPUPOOLS, None, "h100", {"spec": {"offers": offers}})
     await kube.wait_for(GPUPOOLS, None, "h100", _applied(patched["metadata"]["generation"]))
 

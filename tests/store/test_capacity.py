@@ -26,7 +26,9 @@ async def test_a_pool_shows_what_is_booked_free_and_unhealthy_now(
     [pool] = (await service.pools(caller(), {"tenantId": "acme"}))["items"]
     assert (pool["poolId"], pool["nodes"], pool["nodesReady"]) == ("pool_a", 2, 2)
     # The future booking is not booked now.
-    assert pool["devices"] == {"gpu": {"total": 16, "healthy": 15, "booked": 4, "free": 11}}
+    assert pool["devices"] == {
+        "gpu": {"total": 16, "healthy": 15, "booked": 4, "bound": 0, "free": 11}
+    }
     assert "nextFreeAt" not in pool
 
 

@@ -66,6 +66,7 @@ TOKEN_REVIEWS = Ref(
 RESERVATIONS = Ref(group="bcd.dev", version="v1alpha1", plural="reservations", namespaced=True)
 GPUPOOLS = Ref(group="bcd.dev", version="v1alpha1", plural="gpupools", namespaced=False)
 GPUNODES = Ref(group="bcd.dev", version="v1alpha1", plural="gpunodes", namespaced=False)
+GPUQUOTAS = Ref(group="bcd.dev", version="v1alpha1", plural="gpuquotas", namespaced=False)
 DEVICEALLOCATIONS = Ref(
     group="bcd.dev", version="v1alpha1", plural="deviceallocations", namespaced=True
 )

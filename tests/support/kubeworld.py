@@ -29,7 +29,6 @@ def gpupool(
     *,
     owner: str = "acme",
     model: str = "H100",
-    quota: int = 64,
     mode: str = "exclusive",
     replicas: int = 1,
     kubernetes: bool = True,
@@ -45,9 +44,19 @@ def gpupool(
             "sharing": {"mode": mode, "replicas": replicas},
             "policy": {"kubernetes": kubernetes},
             "nodeSelector": {"matchLabels": {"bcd.dev/pool": name}},
-            "owner": {"tenant": owner, "quotas": {f"gpu:{model}": quota}},
+            "owner": {"tenant": owner},
             "offers": offers or [],
         },
+    }
+
+
+def gpuquota(tenant: str, limits: dict[str, int], *, name: str | None = None) -> dict[str, Any]:
+    """A tenant's GPUQuota (named after the tenant unless ``name`` is given)."""
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": "GPUQuota",
+        "metadata": {"name": name or tenant},
+        "spec": {"tenant": tenant, "limits": dict(limits)},
     }
 
 

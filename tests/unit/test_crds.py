@@ -109,6 +109,18 @@ EXPECTED = (
             AGE,
         ),
     ),
+    Expected(
+        "GPUQuota",
+        "gpuquotas",
+        ("gq",),
+        "Cluster",
+        (
+            ("Tenant", "string", ".spec.tenant"),
+            ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status'),
+            ("GPUs", "string", ".status.summary"),
+            AGE,
+        ),
+    ),
 )
 KINDS = [e.kind for e in EXPECTED]
 
@@ -393,6 +405,13 @@ def test_gpupool_spec_mirrors_core_pool_spec(crds):
     assert not found, "\n".join(found)
 
 
+def test_gpuquota_spec_mirrors_core_quota_spec(crds):
+    # The operator parses a GPUQuota's spec with this model.
+    crd = crd_shape(node_at(schema(crds, "GPUQuota"), "spec"), "spec")
+    found = differences(shape_of(pools.QuotaSpec, "spec"), crd, "spec")
+    assert not found, "\n".join(found)
+
+
 def test_pool_policy_mirrors_the_dev_configs_pool_policy(crds):
     crd = crd_shape(node_at(schema(crds, "GPUPool"), "spec.policy"), "spec.policy")
     found = differences(shape_of(pools.PoolPolicy, "spec.policy"), crd, "spec.policy")
@@ -571,10 +590,8 @@ def gpupool() -> dict[str, Any]:
                 "matchLabels": {"bcd.dev/pool": "h100-train"},
                 "matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}],
             },
-            "owner": {"tenant": "acme", "quotas": {"gpu:H100": 16, "vcpu": 512}},
-            "offers": [
-                {"tenant": "globex", "onBudgetExceeded": "stop-new", "quotas": {"gpu:H100": 8}}
-            ],
+            "owner": {"tenant": "acme"},
+            "offers": [{"tenant": "globex", "onBudgetExceeded": "stop-new"}],
             "archived": False,
         },
         "status": {"observedGeneration": 1, "nodes": 2, "conditions": []},
@@ -661,12 +678,71 @@ def device_allocation() -> dict[str, Any]:
     }
 
 
+def gpuquota() -> dict[str, Any]:
+    return {
+        "apiVersion": "bcd.dev/v1alpha1",
+        "kind": "GPUQuota",
+        "metadata": {"name": "acme"},
+        "spec": {"tenant": "acme", "limits": {"gpu:H100": 16, "vcpu": 256}},
+        "status": {
+            "observedGeneration": 1,
+            "limits": {"gpu:H100": 16, "vcpu": 256},
+            "used": {"gpu:H100": 4, "vcpu": 0},
+            "summary": "gpu:H100 4/16",
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Applied",
+                    "message": "tenant acme's quota",
+                    "lastTransitionTime": "2026-12-04T06:00:00Z",
+                    "observedGeneration": 1,
+                }
+            ],
+        },
+    }
+
+
 SAMPLES = {
     "Reservation": reservation,
     "GPUPool": gpupool,
     "GPUNode": gpunode,
     "DeviceAllocation": device_allocation,
+    "GPUQuota": gpuquota,
 }
+
+
+@pytest.mark.parametrize(
+    ("limits", "accepted"),
+    [
+        ({"gpu:H100": 16, "gpuSlices:A100": 14, "vcpu": 8, "memoryGiB": 64}, True),
+        ({"hugepages1Gi": 4}, True),
+        ({}, True),
+        ({"gpu H100": 4}, False),
+        ({"gpus": 4}, False),
+    ],
+)
+def test_gpuquota_limits_keys_are_the_cores_resources(crds, limits, accepted):
+    sample = changed(gpuquota(), {"spec.limits": limits})
+    checked = crdchecking.check(sample, None, schema(crds, "GPUQuota"), status_only=False)
+    try:
+        pools.QuotaSpec.model_validate(sample["spec"])
+        core = True
+    except ValidationError:
+        core = False
+    assert (not checked.errors, core) == (accepted, accepted), checked.errors
+
+
+def test_a_gpupool_carrying_quotas_is_refused_by_the_crd_and_the_core(crds):
+    for path in ("spec.owner.quotas", "spec.offers[0].quotas"):
+        pool = gpupool()
+        pool["spec"]["offers"] = [{"tenant": "globex"}]
+        sample = changed(pool, {path: {"gpu:H100": 16}})
+        checked = crdchecking.check(sample, None, schema(crds, "GPUPool"), status_only=False)
+        assert [e for e in checked.errors if "quotas moved to GPUQuota" in e.message], path
+        with pytest.raises(ComputeError) as refused:
+            definitions.pool_definition("p", sample["spec"])
+        assert refused.value.details["field"] == path
 
 
 def changed(sample: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -48,10 +48,8 @@ def _pool(mode: str = "exclusive", replicas: int = 1):
             "region": "eu-west-1",
             "model": "H100",
             "sharing": {"mode": mode, "replicas": replicas},
-            "owner": {"tenant": "acme", "quotas": {"gpu:H100": 8}},
-            "offers": [
-                {"tenant": "globex", "onBudgetExceeded": "stop-new", "quotas": {"gpu:H100": 2}}
-            ],
+            "owner": {"tenant": "acme"},
+            "offers": [{"tenant": "globex", "onBudgetExceeded": "stop-new"}],
             "nodeSelector": {"matchLabels": {"bcd.dev/pool": "h100"}},
         },
     )
@@ -96,14 +94,11 @@ def test_a_namespace_without_a_tenant_label_is_refused_naming_it():
         definitions.tenant_of("ml", {})
 
 
-def test_pool_definition_gathers_offers_and_quotas():
+def test_pool_definition_gathers_offers_and_no_quotas():
     pool = _pool()
     assert pool.pool.owner == "acme"
     assert {o.tenant: o.onBudgetExceeded for o in pool.offers} == {"globex": "stop-new"}
-    assert {(q.tenant, q.resource, q.limit) for q in pool.quotas} == {
-        ("acme", "gpu:H100", 8),
-        ("globex", "gpu:H100", 2),
-    }
+    assert pool.quotas == ()  # a GPUQuota's business now
     with pytest.raises(ComputeError, match=r"^spec\.owner\.tenant: required$"):
         definitions.pool_definition("p", {"region": "r", "owner": {}})
     with pytest.raises(ComputeError, match=r"^spec\.owner: required$"):

@@ -96,13 +96,13 @@ def test_a_mistake_in_a_pool_gets_the_same_words_in_the_dev_file_and_in_a_gpupoo
     assert dev_reason == pool_reason
 
 
-def test_a_gpupool_quota_of_an_unknown_resource_is_refused_naming_it():
-    field, reason = _gpupool_problem({"offers": [{"tenant": "g", "quotas": {"gpus:H100": 2}}]})
-    assert field == "spec.offers[0].quotas.gpus:H100"
-    assert "String should match pattern" in reason
+def test_a_gpupool_carrying_quotas_is_refused_pointing_at_gpuquota():
+    field, reason = _gpupool_problem({"offers": [{"tenant": "g", "quotas": {"gpu:H100": 2}}]})
+    assert field == "spec.offers[0].quotas"
+    assert reason.startswith("quotas moved to GPUQuota objects")
 
 
-def test_a_gpupool_becomes_the_pool_its_offers_and_its_quotas():
+def test_a_gpupool_becomes_the_pool_and_its_offers():
     definition = definitions.pool_definition(
         "h100",
         {
@@ -110,7 +110,7 @@ def test_a_gpupool_becomes_the_pool_its_offers_and_its_quotas():
             "model": "H100",
             "sharing": {"mode": "mps", "replicas": 4},
             "policy": {"kubernetes": True, "maxPending": "1h"},
-            "owner": {"tenant": "acme", "quotas": {"gpu:H100": 8}},
+            "owner": {"tenant": "acme"},
             "offers": [{"tenant": "globex", "onBudgetExceeded": "drain"}],
             "nodeSelector": {"matchLabels": {"bcd.dev/pool": "h100"}},
         },
@@ -128,7 +128,7 @@ def test_a_gpupool_becomes_the_pool_its_offers_and_its_quotas():
     assert definition.offers == (
         pools.Offer(pool="h100", tenant="globex", onBudgetExceeded="drain"),
     )
-    assert definition.quotas == (pools.Quota(tenant="acme", resource="gpu:H100", limit=8),)
+    assert definition.quotas == ()
     # What the store keeps is the policy as given.
     assert definition.pool.policy.as_json() == {"kubernetes": True, "maxPending": "1h"}
 

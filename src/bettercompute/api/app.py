@@ -247,9 +247,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         log.warning("metrics: cannot read counts from the database: %s", e)
         figures.database_down()
     else:
-        figures.update(
-            reservations=counts.reservations, queued=counts.work_queued, due=counts.work_due
-        )
+        figures.update(counts)
     return web.Response(body=figures.render(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
 

@@ -16,13 +16,18 @@ What is measured:
 * ``bettercompute_decision_duration_seconds{action, decision}``: each policy decision, and
   ``bettercompute_placement_duration_seconds{outcome}``: each admission's transaction 2 (quota,
   snapshot, placer, writes), told by the service (``Metrics`` is its ``AdmissionObserver``).
-* ``bettercompute_reservations{state}`` and ``bettercompute_work_queue_depth`` /
+* ``bettercompute_reservations{pool, state}``, ``bettercompute_gpus{pool, model, state}``
+  (free, booked, bound, unhealthy), ``bettercompute_quota_used`` / ``_limit{tenant,
+  resource}``, ``bettercompute_reservation_wait_seconds{pool, phase}`` (placed: from create;
+  active: from the window's start) and ``bettercompute_work_queue_depth`` /
   ``bettercompute_work_queue_due``: read from the database at scrape time, through
   ``CachedCounts``: at most one read every few seconds (5 by default) however many scrapers
   there are and however often they come, and concurrent scrapes share one read. The read
   aggregates every reservation row, so an unauthenticated ``/metrics`` hammered in a loop would
   otherwise be a full-table scan per request.
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
+* ``bettercompute_webhook_certificate_expiry_timestamp_seconds``: told by the operator, which
+  serves the admission webhook.
 
 This module must never read the database itself: the app hands it the figures, or the reader.
 """
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 
 from prometheus_client import (
@@ -53,6 +58,8 @@ UNMATCHED = "unmatched"
 
 # A create costs milliseconds; a create with ``wait`` may take up to 30 s.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A wait for placement or for binding: from milliseconds to a day in a busy pool.
+_WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
 
 
 def _version() -> str:
@@ -105,10 +112,44 @@ class Metrics:
         )
         self.reservations = Gauge(
             "bettercompute_reservations",
-            "Reservations by state, read from the database at scrape time.",
-            ["state"],
+            "Reservations by pool and state, read from the database at scrape time.",
+            ["pool", "state"],
             registry=self.registry,
         )
+        self.gpus = Gauge(
+            "bettercompute_gpus",
+            "Devices of a pool now, by model and state: free, booked (not bound), bound (held"
+            " by an active reservation), unhealthy.",
+            ["pool", "model", "state"],
+            registry=self.registry,
+        )
+        self.quota_used = Gauge(
+            "bettercompute_quota_used",
+            "What a tenant's live reservations have charged now, by resource.",
+            ["tenant", "resource"],
+            registry=self.registry,
+        )
+        self.quota_limit = Gauge(
+            "bettercompute_quota_limit",
+            "A tenant's quota limit, by resource.",
+            ["tenant", "resource"],
+            registry=self.registry,
+        )
+        self.waits = Histogram(
+            "bettercompute_reservation_wait_seconds",
+            "How long reservations waited, by pool and phase: placed (from create) and active"
+            " (from the window's start, or placement if later).",
+            ["pool", "phase"],
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.certificate_expiry = Gauge(
+            "bettercompute_webhook_certificate_expiry_timestamp_seconds",
+            "When the admission webhook's serving certificate expires (unix time).",
+            registry=self.registry,
+        )
+        #: The newest wait observed: a cached read handed out again observes nothing twice.
+        self._waits_seen = 0
         self.work_queued = Gauge(
             "bettercompute_work_queue_depth",
             "Reconciler wake-ups queued, read at scrape time.",
@@ -138,14 +179,31 @@ class Metrics:
     def placed(self, *, outcome: str, seconds: float) -> None:
         self.placement_latency.labels(outcome=outcome).observe(seconds)
 
-    def update(self, *, reservations: Mapping[str, int], queued: int, due: int) -> None:
-        # Every state is written, zeros included, so a state that empties drops to 0 instead of
-        # keeping its last count.
-        for state in states.State:
-            self.reservations.labels(state=state.value).set(reservations.get(state.value, 0))
-        self.work_queued.set(queued)
-        self.work_due.set(due)
+    def update(self, figures: Stats) -> None:
+        # Every state of every pool seen is written, zeros included, so a state that empties
+        # drops to 0 instead of keeping its last count.
+        pools = {pool for pool, _ in figures.reservations} | {p for p, _, _ in figures.devices}
+        for pool in sorted(pools):
+            for state in states.State:
+                self.reservations.labels(pool=pool, state=state.value).set(
+                    figures.reservations.get((pool, state.value), 0)
+                )
+        for (pool, model, condition), n in figures.devices.items():
+            self.gpus.labels(pool=pool, model=model, state=condition).set(n)
+        for row in figures.quotas:
+            labels = {"tenant": str(row["tenantId"]), "resource": str(row["resource"])}
+            self.quota_used.labels(**labels).set(float(str(row["used"])))
+            self.quota_limit.labels(**labels).set(float(str(row["limit"])))
+        for wait in figures.waits:
+            if wait.event_id > self._waits_seen:
+                self.waits.labels(pool=wait.pool, phase=wait.phase).observe(wait.seconds)
+                self._waits_seen = wait.event_id
+        self.work_queued.set(figures.work_queued)
+        self.work_due.set(figures.work_due)
         self.database_up.set(1)
+
+    def certificate_expires(self, epoch_s: float) -> None:
+        self.certificate_expiry.set(epoch_s)
 
     def database_down(self) -> None:
         self.database_up.set(0)
@@ -158,10 +216,12 @@ class CachedCounts:
     """The database's counts, read by ``read_counts`` at most once per ``max_age_seconds``.
 
     A failed read is not cached: the next scrape tries again (and reports the database down
-    meanwhile). Scrapes that arrive while a read is in flight wait for that read."""
+    meanwhile). Scrapes that arrive while a read is in flight wait for that read. Each read
+    asks for the waits that ended after the newest event the previous one saw (the first asks
+    for none: a process observes the waits that end while it runs, not all history)."""
 
     def __init__(
-        self, read_counts: Callable[[], Awaitable[Stats]], *, max_age_seconds: float
+        self, read_counts: Callable[[int | None], Awaitable[Stats]], *, max_age_seconds: float
     ) -> None:
         self._read_counts = read_counts
         self._max_age = max_age_seconds
@@ -172,6 +232,7 @@ class CachedCounts:
     async def read(self) -> Stats:
         async with self._lock:
             if self._figures is None or time.monotonic() - self._read_at >= self._max_age:
-                self._figures = await self._read_counts()
+                after = None if self._figures is None else self._figures.last_event_id
+                self._figures = await self._read_counts(after)
                 self._read_at = time.monotonic()
             return self._figures

@@ -216,14 +216,16 @@ _ANSWERS: dict[str, Any] = {
                         "devices": {
                             "type": "object",
                             "description": "By class (gpu, mig, slot): total, healthy, booked "
-                            "now, and free now (healthy, unbooked, on a ready node).",
+                            "now (of them bound: held by an active reservation), and free now "
+                            "(healthy, unbooked, on a ready node).",
                             "additionalProperties": {
                                 "type": "object",
-                                "required": ["total", "healthy", "booked", "free"],
+                                "required": ["total", "healthy", "booked", "bound", "free"],
                                 "properties": {
                                     "total": {"type": "integer"},
                                     "healthy": {"type": "integer"},
                                     "booked": {"type": "integer"},
+                                    "bound": {"type": "integer"},
                                     "free": {"type": "integer"},
                                 },
                             },

@@ -191,15 +191,40 @@ class Sharing(Model):
     replicas: Replicas = 1
 
 
+#: Why a GPUPool may no longer carry quotas: the result depended on which pool was applied last.
+QUOTAS_MOVED = (
+    "quotas moved to GPUQuota objects (one per tenant, kind GPUQuota): write the tenant's"
+    " limits there and remove them from the pool"
+)
+
+
+def _no_quotas(value: dict[str, int]) -> dict[str, int]:
+    if value:
+        raise ValueError(QUOTAS_MOVED)
+    return value
+
+
+#: Kept in the model (and the CRD) only to refuse it with a message, instead of pruning it.
+MovedQuotas = Annotated[dict[QuotaResource, QuotaLimit], AfterValidator(_no_quotas)]
+
+
 class PoolOwner(Model):
     tenant: Id
-    quotas: dict[QuotaResource, QuotaLimit] = {}
+    quotas: MovedQuotas = {}
 
 
 class PoolOffer(Model):
     tenant: Id
     onBudgetExceeded: OnBudgetExceeded | None = None
-    quotas: dict[QuotaResource, QuotaLimit] = {}
+    quotas: MovedQuotas = {}
+
+
+class QuotaSpec(Model):
+    """A ``GPUQuota``'s spec: the tenant's limits, by resource. A resource it does not name
+    grants nothing."""
+
+    tenant: Id
+    limits: dict[QuotaResource, QuotaLimit]
 
 
 class SelectorExpression(Model):
@@ -216,7 +241,7 @@ class LabelSelector(Model):
 
 
 class PoolSpec(Model):
-    """A ``GPUPool``'s spec: the same pool, its offers and quotas written inside it."""
+    """A ``GPUPool``'s spec: the same pool and its offers (quotas are ``GPUQuota``s')."""
 
     region: Region
     owner: PoolOwner
@@ -241,19 +266,11 @@ class PoolSpec(Model):
             policy=self.policy,
             archived=self.archived,
         )
-        quotas = [
-            Quota(tenant=self.owner.tenant, resource=r, limit=n)
-            for r, n in self.owner.quotas.items()
-        ]
-        for offer in self.offers:
-            quotas.extend(
-                Quota(tenant=offer.tenant, resource=r, limit=n) for r, n in offer.quotas.items()
-            )
         offers = tuple(
             Offer(pool=name, tenant=o.tenant, onBudgetExceeded=o.onBudgetExceeded)
             for o in self.offers
         )
-        return PoolDefinition(pool=pool, offers=offers, quotas=tuple(quotas))
+        return PoolDefinition(pool=pool, offers=offers)
 
 
 @dataclass(frozen=True)

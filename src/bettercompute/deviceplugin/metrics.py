@@ -14,8 +14,9 @@ process would collide), or change ``Allocations``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import metadata
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics
 
 from bettercompute.deviceplugin.allocations import RESOURCES, Allocations, Phase, Resource
 
@@ -23,12 +24,28 @@ from bettercompute.deviceplugin.allocations import RESOURCES, Allocations, Phase
 ALLOCATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0)
 
 
+def _version() -> str:
+    try:
+        return metadata.version("better-compute")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
 class DevicePluginMetrics:
-    """``bcd_deviceplugin_*`` metrics over one node's ``Allocations``."""
+    """``bettercompute_node_*`` metrics over one node's ``Allocations``."""
 
     def __init__(self, *, registry: CollectorRegistry, allocations: Allocations) -> None:
+        # No ``_created`` series, as on the operator: one prefix, one shape, for dashboards.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        build = Gauge(
+            "bettercompute_build_info",
+            "The running build: always 1, its version as a label.",
+            ["version"],
+            registry=registry,
+        )
+        build.labels(version=_version()).set(1)
         self.advertised = Gauge(
-            "bcd_deviceplugin_advertised_devices",
+            "bettercompute_node_advertised_devices",
             "Devices advertised to the kubelet, by resource",
             ["resource"],
             registry=registry,
@@ -38,7 +55,7 @@ class DevicePluginMetrics:
                 _advertised_count(allocations, resource)
             )
         self.held = Gauge(
-            "bcd_deviceplugin_allocations",
+            "bettercompute_node_allocations",
             "Allocations the node holds, by phase",
             ["phase"],
             registry=registry,
@@ -46,7 +63,7 @@ class DevicePluginMetrics:
         for phase in Phase:
             self.held.labels(phase.value).set_function(_held_count(allocations, phase))
         self.allocate_seconds = Histogram(
-            "bcd_deviceplugin_allocate_seconds",
+            "bettercompute_node_allocate_duration_seconds",
             "Time to answer the kubelet's Allocate, by resource",
             ["resource"],
             registry=registry,

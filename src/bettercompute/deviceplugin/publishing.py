@@ -185,12 +185,12 @@ class NodePublisher:
         self._published: Inventory | None = None
         self._last_problem = ""
         self.published_at = Gauge(
-            "bcd_deviceplugin_gpunode_published_timestamp_seconds",
+            "bettercompute_node_gpunode_published_timestamp_seconds",
             "When this node's GPUNode status was last written (the heartbeat)",
             registry=registry,
         )
         self.failures = Counter(
-            "bcd_deviceplugin_gpunode_publish_failures",
+            "bettercompute_node_gpunode_publish_failures",
             "GPUNode writes that failed (they are retried)",
             registry=registry,
         )

@@ -23,6 +23,7 @@ from bettercompute.kube.names import GROUP, VERSION
 RESERVATIONS = create_namespaced_resource(GROUP, VERSION, "Reservation", "reservations")
 GPUPOOLS = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")
 GPUNODES = create_global_resource(GROUP, VERSION, "GPUNode", "gpunodes")
+GPUQUOTAS = create_global_resource(GROUP, VERSION, "GPUQuota", "gpuquotas")
 DEVICE_ALLOCATIONS = create_namespaced_resource(
     GROUP, VERSION, "DeviceAllocation", "deviceallocations"
 )

@@ -7,6 +7,9 @@ stops every Reservation being created. The operator therefore ends when the file
 Kubernetes starts it again with the new certificate (the chart runs two peered replicas behind
 a PodDisruptionBudget, so admission stays up).
 
+``expiry`` tells the metrics when the certificate runs out, for the alert that fires weeks
+before it does.
+
 What it must never do: act on a file it could not read (a Secret update swaps a symlink, and
 a read in between may fail); it compares what it read last with what it reads now.
 """
@@ -19,6 +22,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from cryptography import x509
+
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +35,16 @@ def _digest(paths: Sequence[Path]) -> str | None:
     except OSError:
         return None
     return digest.hexdigest()
+
+
+def expiry(path: Path) -> float | None:
+    """When the PEM certificate at ``path`` (the first of a chain) expires, in unix seconds;
+    ``None`` when it cannot be read (the metric then stays unset, and nothing fails)."""
+    try:
+        certificate = x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return certificate.not_valid_after_utc.timestamp()
 
 
 async def changed(paths: Sequence[Path], *, interval_s: float = 30.0) -> None:

@@ -27,7 +27,7 @@ from bettercompute.core.errors import ComputeError
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, podaccess, statuses, webhooks
+from bettercompute.operator import definitions, podaccess, quotas, statuses, webhooks
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 RESERVATIONS = (names.GROUP, names.VERSION, "reservations")
 GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
 GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
+GPUQUOTAS = (names.GROUP, names.VERSION, "gpuquotas")
 DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
 CSRS = ("certificates.k8s.io", "v1", "certificatesigningrequests")
 PODS = ("", "v1", "pods")
@@ -87,6 +88,10 @@ def make_registry(
         name: str, labels: Mapping[str, str], status: kopf.Status, **_: Any
     ) -> dict[str, Any]:
         return {name: {"labels": dict(labels), "status": dict(status)}}
+
+    @kopf.index(*GPUQUOTAS, id="quota_claims", registry=registry)
+    def quota_claims(body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict[str, Any]:
+        return {str(spec.get("tenant") or ""): quotas.claim(body)}
 
     # --- Reservations ----------------------------------------------------------------------------
 
@@ -247,6 +252,33 @@ def make_registry(
         # An agent that died without a word sends no more events: re-judge its heartbeat.
         pools = {n: _first(kwargs["pool_specs"], n) for n in kwargs["pool_specs"]}
         await _apply_node(_runtime(memo), name, kwargs["node_bodies"], pools, fallback=body)
+
+    # --- GPUQuotas --------------------------------------------------------------------------
+
+    @kopf.on.resume(*GPUQUOTAS, registry=registry)
+    @kopf.on.create(*GPUQUOTAS, registry=registry)
+    @kopf.on.update(*GPUQUOTAS, registry=registry)
+    async def quota_applied(body: kopf.Body, old: Any, memo: Any, **kwargs: Any) -> None:
+        runtime = _runtime(memo)
+        claims = kwargs["quota_claims"]
+        await _quota(runtime, body, claims)
+        before = str(((old or {}).get("spec") or {}).get("tenant") or "")
+        if before and before != str((body.get("spec") or {}).get("tenant") or ""):
+            # Retargeted: the tenant it spoke for falls to its next claimant, or to nothing.
+            gone = str((body.get("metadata") or {}).get("name"))
+            await _tenant_quota(runtime, before, _claims(claims, before, without=gone))
+
+    @kopf.on.delete(*GPUQUOTAS, registry=registry)
+    async def quota_deleted(name: str, spec: kopf.Spec, memo: Any, **kwargs: Any) -> None:
+        tenant = str(spec.get("tenant") or "")
+        if tenant:
+            left = _claims(kwargs["quota_claims"], tenant, without=name)
+            await _tenant_quota(_runtime(memo), tenant, left)
+
+    @kopf.timer(*GPUQUOTAS, interval=pool_status_s, registry=registry)
+    async def quota_shown(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+        # What is charged moves with every reservation: kubectl get gq shows it within seconds.
+        await _quota(_runtime(memo), body, kwargs["quota_claims"])
 
     # --- node certificates ---------------------------------------------------------------------
 
@@ -425,10 +457,75 @@ async def _pool_status(
                 "status": "True" if ready else "False",
                 "reason": reason,
                 "message": message,
-                "lastTransitionTime": runtime.projector.clock(),
+                "lastTransitionTime": _transition(body, ready, runtime.projector.clock()),
+                "observedGeneration": int(meta.get("generation") or 0),
             }
         ],
     }
     if nodes is not None:
         status["nodes"] = nodes
     await runtime.kube.patch(resources.GPUPOOLS, meta["name"], {"status": status}, status=True)
+
+
+def _transition(body: Mapping[str, Any], ready: bool, now: str) -> str:
+    """The Ready condition's ``lastTransitionTime``: kept while its status stands still."""
+    for condition in (body.get("status") or {}).get("conditions") or ():
+        if condition.get("type") == "Ready" and condition.get("status") == str(ready):
+            return str(condition.get("lastTransitionTime") or now)
+    return now
+
+
+def _claims(index: Any, tenant: str, *, without: str | None = None) -> list[quotas.Claim]:
+    return [c for c in index.get(tenant, ()) if c.name != without]
+
+
+async def _tenant_quota(runtime: Runtime, tenant: str, claims: list[quotas.Claim]) -> None:
+    """The tenant's rows as its speaker says (limits of 0 when none is left)."""
+    speaker = quotas.speaker(claims)
+    wanted = dict(quotas.parse(speaker.spec).limits) if speaker is not None else {}
+    if quotas.differs(wanted, await runtime.clusters.quotas_of(tenant)):
+        await runtime.clusters.apply_quota(tenant, wanted)
+
+
+async def _quota(runtime: Runtime, body: Mapping[str, Any], index: Any) -> None:
+    """Apply one GPUQuota if it speaks for its tenant, and show the outcome in its status."""
+    meta = body.get("metadata") or {}
+    generation = int(meta.get("generation") or 0)
+    own = quotas.claim(body)
+    rows: list[dict[str, Any]] = []
+    try:
+        parsed = quotas.parse(own.spec)
+    except ComputeError as e:
+        ready, reason, message = False, e.code.value, e.message
+    else:
+        # The index may not have this object's latest event yet: count it as it is now.
+        claims = [*_claims(index, parsed.tenant, without=own.name), own]
+        speaker = quotas.speaker(claims)
+        if speaker is not None and speaker.name == own.name:
+            await _tenant_quota(runtime, parsed.tenant, claims)
+            rows = await runtime.clusters.quotas_of(parsed.tenant)
+            ready, reason = True, quotas.APPLIED
+            message = f"tenant {parsed.tenant}'s quota"
+        else:
+            ready, reason = False, quotas.CONFLICT
+            other = speaker.name if speaker is not None else "another GPUQuota"
+            message = (
+                f"GPUQuota {other} already sets tenant {parsed.tenant}'s quota (the older one"
+                " applies); delete one of them"
+            )
+    shown = quotas.status(
+        rows,
+        generation=generation,
+        ready=ready,
+        reason=reason,
+        message=message,
+        previous=body.get("status"),
+        now=runtime.projector.clock(),
+    )
+    status = body.get("status") or {}
+    if any(status.get(k) != v for k, v in shown.items() if v is not None) or any(
+        status.get(k) is not None for k, v in shown.items() if v is None
+    ):
+        await runtime.kube.patch(
+            resources.GPUQUOTAS, str(meta["name"]), {"status": shown}, status=True
+        )

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from bettercompute import logformat, supervising
 from bettercompute.api import serving
-from bettercompute.api.app import make_app
+from bettercompute.api.app import METRICS, make_app
 from bettercompute.core.attestation import Attestation
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
@@ -287,6 +287,11 @@ async def started(
             ready=is_ready,
             metrics_token=serving.metrics_token_from_env(),
         )
+        if config.webhook_cert:
+            # Read once: a renewed certificate restarts the process (exit_when_renewed).
+            expires = certificates.expiry(Path(config.webhook_cert))
+            if expires is not None:
+                app[METRICS].certificate_expires(expires)
         runner = serving.Runner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)

@@ -640,9 +640,10 @@ class ReservationService:
             return None
         return _reservation(view)
 
-    async def counts(self) -> Stats:
-        """Reservations by state and the work queue's depth, read now (for ``/metrics``)."""
-        return await stats.read(self.db)
+    async def counts(self, waits_after: int | None = None) -> Stats:
+        """The figures ``/metrics`` shows, read now: reservations, devices and quota, the work
+        queue, and the waits that ended after event ``waits_after``."""
+        return await stats.read(self.db, waits_after=waits_after)
 
     # --- node reports ----------------------------------------------------------------------
 

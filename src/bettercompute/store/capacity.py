@@ -23,6 +23,7 @@ _CAPACITY = """
            count(a.id) AS total,
            count(a.id) FILTER (WHERE a.healthy) AS healthy,
            count(a.id) FILTER (WHERE b.atom_id IS NOT NULL) AS booked,
+           count(a.id) FILTER (WHERE b.bound) AS bound,
            count(a.id) FILTER (WHERE a.healthy AND b.atom_id IS NULL AND n.ready
                                  AND n.connected) AS free,
            min(b.ends) AS next_end
@@ -30,7 +31,10 @@ _CAPACITY = """
       LEFT JOIN nodes n ON n.pool_id = p.id
       LEFT JOIN atoms a ON a.node_id = n.id AND NOT a.retired
       LEFT JOIN LATERAL (
-          SELECT bk.atom_id, upper(bk.during) AS ends FROM bookings bk
+          SELECT bk.atom_id, upper(bk.during) AS ends,
+                 EXISTS (SELECT 1 FROM reservations r
+                          WHERE r.id = bk.reservation_id AND r.state = 'active') AS bound
+            FROM bookings bk
            WHERE bk.atom_id = a.id AND bk.during @> compute_now() LIMIT 1
       ) b ON true
      WHERE NOT p.archived AND (%(tenant)s::text IS NULL OR p.owner_tenant_id = %(tenant)s
@@ -46,7 +50,8 @@ async def pools(
 ) -> list[dict[str, Any]]:
     """The pools ``tenant_id`` owns or is offered (every pool for ``None``), each as
     ``{poolId, name, region, gpuModel, sharing, nodes, nodesReady, devices: {class: {total,
-    healthy, booked, free}}, nextFreeAt}``: ``booked`` counts devices booked now, ``free``
+    healthy, booked, bound, free}}, nextFreeAt}``: ``booked`` counts devices booked now (of
+    them ``bound``: held by an active reservation), ``free``
     those healthy, unbooked and on a ready node; ``nextFreeAt`` (epoch ms) is when the first
     booked device frees, given only when none is free now."""
     async with db.connection() as conn:
@@ -75,6 +80,7 @@ async def pools(
             "total": int(row["total"]),
             "healthy": int(row["healthy"]),
             "booked": int(row["booked"]),
+            "bound": int(row["bound"]),
             "free": int(row["free"]),
         }
         if row["next_end"] is not None:
