@@ -7,6 +7,7 @@ stdout, and the key, hints and errors on stderr.
 from __future__ import annotations
 
 import json
+import asyncio
 import re
 import time
 from pathlib import Path
@@ -566,3 +567,41 @@ async def test_quota_shows_used_limit_and_left(cli: Cli):
     other = await cli("quota", "--tenant", "globex")
     assert other.rc != 0, other
     assert "not a member of tenant globex" in other.stderr, other
+
+
+async def test_watch_prints_each_change_until_its_time_is_up(cli: Cli):
+    first = await reserve_json(cli, "--key", "watched")
+    # Piped (not a terminal): a new table each time something changed, headed by the time.
+    watching = asyncio.create_task(cli("watch", "--tenant", "acme", "--every", "1s", "--for", "4s"))
+    await asyncio.sleep(1.5)
+    released = await cli("release", first["id"], "--tenant", "acme", "-o", "json")
+    assert released.rc == 0, released
+    shown = await watching
+    assert shown.rc == 0, shown
+    tables = [
+        part
+        for part in re.split(r"^— \d\d:\d\d:\d\dZ.*$", shown.stdout, flags=re.M)
+        if part.strip()
+    ]
+    assert len(tables) == 2, shown.stdout
+    assert re.search(rf"{first['id']}\s+placed", tables[0]), tables[0]
+    # Released is no longer live: it leaves the table.
+    assert first["id"] not in tables[1], tables[1]
+    assert "No reservations." in tables[1]
+
+
+async def test_watch_one_reservation_by_prefix_shows_it_whatever_its_state(cli: Cli):
+    first = await reserve_json(cli, "--key", "watched-one")
+    await cli("release", first["id"], "--tenant", "acme")
+    shown = await cli("watch", first["id"][:12], "--tenant", "acme", "--for", "1s")
+    assert shown.rc == 0, shown
+    assert re.search(rf"{first['id']}\s+released", shown.stdout), shown.stdout
+
+
+async def test_watch_refuses_a_busy_interval_and_an_unknown_reservation(cli: Cli):
+    fast = await cli("watch", "--tenant", "acme", "--every", "100ms")
+    assert fast.rc == 2, fast
+    assert "--every" in fast.stderr, fast
+    missing = await cli("watch", "rsv_doesnotexist", "--tenant", "acme", "--for", "1s")
+    assert missing.rc == 1, missing
+    assert "NOT_FOUND" in missing.stderr, missing

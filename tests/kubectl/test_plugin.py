@@ -35,8 +35,8 @@ from bettercompute.store.database import Database
 from tests.chart import rendering
 from tests.operator.conftest import World, apply_world, operator_config, trust_test_authority
 from tests.support import kubeobjects, kubeworld
-from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, RESERVATIONS, Ref
-from tests.support.kubeserver import CRDS_DIR, KubeApi
+from tests.support.kubeobjects import DEVICEALLOCATIONS, GPUPOOLS, GPUQUOTAS, RESERVATIONS
+from tests.support.kubeserver import KubeApi
 from tests.support.policies import CountingPolicy
 
 ALICE = {"username": "alice@acme", "uid": "u-alice", "groups": ["system:authenticated"]}
@@ -661,16 +661,12 @@ async def test_a_namespace_the_identity_may_not_write_is_forbidden_in_one_line(
     )
 
 
-# --- quota (last: its CRD is new) --------------------------------------------------------------
-
-GPUQUOTAS = Ref(group="bcd.dev", version="v1alpha1", plural="gpuquotas", namespaced=False)
+# --- quota -------------------------------------------------------------------------------------
 
 
 async def test_quota_shows_the_namespaces_tenant_used_limit_and_free(
     world: World, plugin: Plugin
 ) -> None:
-    if not (CRDS_DIR / "gpuquotas.yaml").is_file():
-        pytest.skip("crds/gpuquotas.yaml is not in this tree yet: the GPUQuota CRD is not served")
     # The world gave acme 64 H100s; beta gets its own quota, which acme's namespace hides.
     await world.kube.create(
         {

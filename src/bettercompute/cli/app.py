@@ -26,7 +26,16 @@ from typing import Annotated, Any
 
 import typer
 
-from bettercompute.cli import bodies, client, options, output, parsing, settings, waiting
+from bettercompute.cli import (
+    bodies,
+    client,
+    options,
+    output,
+    parsing,
+    settings,
+    waiting,
+    watching,
+)
 from bettercompute.cli.settings import Output
 
 app = typer.Typer(
@@ -543,6 +552,89 @@ def reservations_list(
         with _client(found) as api:
             answer = api.call("reservations/list", body)
         output.emit(answer, output=found.output, table=output.reservation_list, keep_whole=True)
+
+
+@app.command(
+    epilog=_examples(
+        "better-compute watch --tenant acme",
+        "better-compute watch rsv_01k4z9xq --tenant acme",
+        "better-compute watch --tenant acme --all --pool pool_01k… --every 5s",
+    ),
+)
+def watch(
+    reservation_id: Annotated[
+        str | None,
+        typer.Argument(help="Only this reservation (its id, or 8+ characters of it)."),
+    ] = None,
+    tenant: options.TenantOption = None,
+    everyone: Annotated[
+        bool,
+        typer.Option("--all", help="The tenant's reservations, not only yours."),
+    ] = False,
+    pool: Annotated[str | None, typer.Option("--pool", help="Only this pool.")] = None,
+    ended: Annotated[
+        bool,
+        typer.Option("--ended", help="Also the released, cancelled, failed and expired ones."),
+    ] = False,
+    every: Annotated[
+        str, typer.Option("--every", help="How often to look again (at least 1s).")
+    ] = "2s",
+    stop_after: Annotated[
+        str | None,
+        typer.Option("--for", help="Stop after this long (default: until Ctrl-C)."),
+    ] = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+) -> None:
+    """Follow reservations as they move: a table that updates in place until Ctrl-C.
+
+    Shows your live reservations (placed, pending, binding, active), newest first; with an id,
+    that one whatever its state. Piped to a file, it prints a new table, headed by the time,
+    each time something changed.
+    """
+    with _reporting(None):
+        every_ms = _duration(every, option="--every")
+        if every_ms < 1000:
+            raise parsing.ParseError("look again at most once a second (1s)", option="--every")
+        limit_ms = _duration(stop_after, option="--for") if stop_after is not None else None
+        found = _settings(url=url, token=token, tenant=tenant, out=None)
+        chosen = _tenant(found)
+        with _client(found) as api:
+
+            def poll() -> dict[str, Any]:
+                if reservation_id is not None:
+                    target = {"tenantId": chosen, "reservationId": reservation_id}
+                    one = api.call("reservations/get", target)
+                    return {"items": [one]}
+                body: dict[str, Any] = {"tenantId": chosen, "limit": 200}
+                if everyone:
+                    body["scope"] = "all"
+                if pool is not None:
+                    body["poolId"] = pool
+                answer = dict(api.call("reservations/list", body))
+                if not ended:
+                    answer["items"] = [
+                        r for r in answer.get("items") or () if r.get("state") in _LIVE
+                    ]
+                return answer
+
+            watching.follow(
+                poll,
+                console=output.console(),
+                every_s=every_ms / 1000,
+                stop_after_s=None if limit_ms is None else limit_ms / 1000,
+            )
+
+
+def _duration(text: str, *, option: str) -> int:
+    try:
+        return parsing.parse_duration(text)
+    except parsing.ParseError as e:
+        raise parsing.ParseError(str(e), option=option) from None
+
+
+#: What ``watch`` shows without --ended.
+_LIVE = ("pending", "placed", "binding", "active", "releasing", "awaiting-confirmation")
 
 
 # --- extend, renew, release, cancel --------------------------------------------------------

@@ -33,7 +33,6 @@ import typer
 import yaml
 from lightkube import ConfigError
 from lightkube.config.kubeconfig import KubeConfig
-from lightkube.generic_resource import create_global_resource
 from rich.console import Console, RenderableType
 
 from bettercompute.kube import names, resources
@@ -48,11 +47,6 @@ from bettercompute.kubectl import specs, tables, times
 
 T = TypeVar("T")
 
-#: GPUQuotas (cluster-scoped): lightkube keeps one class per kind, so this is the same class
-#: ``kube.resources`` declares once it declares it.
-GPUQUOTAS: Any = getattr(resources, "GPUQUOTAS", None) or create_global_resource(
-    names.GROUP, names.VERSION, "GPUQuota", "gpuquotas"
-)
 #: How often a wait reads the object again.
 POLL_S = 0.5
 #: A table piped to a file or another program is not cut to the terminal's width.
@@ -1062,7 +1056,7 @@ def quota(
     async def work(api: Api) -> int:
         chosen = tenant or await _tenant_of_namespace(api)
         target = specs.Target("list", "GPUQuota", "gpuquotas")
-        items = await api.call(api.kube.list(GPUQUOTAS), target)
+        items = await api.call(api.kube.list(resources.GPUQUOTAS), target)
         if chosen is not None:
             items = [
                 q
