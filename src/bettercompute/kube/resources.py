@@ -10,6 +10,10 @@ Data only: no I/O.
 from __future__ import annotations
 
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.resources.admissionregistration_v1 import (
+    MutatingWebhookConfiguration,
+    ValidatingWebhookConfiguration,
+)
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.certificates_v1 import (
     CertificateSigningRequest,
@@ -31,6 +35,8 @@ NAMESPACES = Namespace
 NODES = Node
 EVENTS = Event
 SECRETS = Secret
+MUTATING_WEBHOOKS = MutatingWebhookConfiguration
+VALIDATING_WEBHOOKS = ValidatingWebhookConfiguration
 TOKEN_REVIEWS = TokenReview
 #: Node certificates: the request, and its two subresources (approval, the issued certificate).
 CERTIFICATE_SIGNING_REQUESTS = CertificateSigningRequest

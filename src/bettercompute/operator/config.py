@@ -36,6 +36,24 @@ class OperatorConfig:
     #: which only a test or a TLS-terminating proxy should see.
     webhook_cert: Path | None = None
     webhook_key: Path | None = None
+    #: Without ``webhook_cert``: the Secret (in ``namespace``) where the operator keeps the
+    #: webhook certificate it makes and rotates itself (``operator.webhookcerts``).
+    webhook_secret: str | None = None
+    #: The Service the API server reaches the webhooks through: the certificate's names.
+    webhook_service: str = "better-compute-operator"
+    #: More names for the certificate (an IP address for a test, an external host name).
+    webhook_extra_names: tuple[str, ...] = ()
+    #: The Mutating- and ValidatingWebhookConfigurations whose caBundle it keeps current.
+    webhook_configurations: tuple[str, ...] = ()
+    #: How often the Secret is read again (a renewal due, or another replica's).
+    webhook_check_s: float = 3600.0
+
+    @property
+    def webhook_names(self) -> tuple[str, ...]:
+        """What the webhook certificate is for: the Service's names, then the extra ones."""
+        service = f"{self.webhook_service}.{self.namespace}.svc"
+        return (service, f"{service}.cluster.local", *self.webhook_extra_names)
+
     #: kopf peering between replicas; ``standalone`` runs without it.
     peering_name: str = "better-compute"
     priority: int = 0

@@ -47,7 +47,7 @@ from bettercompute.kube.client import (
     from_kopf,
     in_cluster_server,
 )
-from bettercompute.operator import certificates, handlers, nodeca, nodecerts
+from bettercompute.operator import certificates, handlers, nodeca, nodecerts, webhookcerts
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -140,7 +140,9 @@ def policy_engine(config: OperatorConfig) -> policies.CedarPolicyEngine:
         raise OperatorError(f"the Cedar policies are not valid: {e}") from e
 
 
-def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
+def kopf_settings(
+    config: OperatorConfig, *, certificates_kept: webhookcerts.WebhookCertificates | None = None
+) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Progress and the last-handled spec in annotations: status is the reservation's alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -156,7 +158,18 @@ def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     settings.peering.priority = config.priority
     settings.peering.standalone = config.standalone
     settings.peering.mandatory = not config.standalone
-    if config.webhook_port is not None:
+    if config.webhook_port is not None and certificates_kept is not None:
+        # The operator's own certificate: kopf loads the first pair into this context at
+        # start; renewals are loaded into the same context in place.
+        cert, key = certificates_kept.files()
+        settings.admission.server = kopf.WebhookServer(
+            addr=config.webhook_host,
+            port=config.webhook_port,
+            context=certificates_kept.context,
+            certfile=str(cert),
+            pkeyfile=str(key),
+        )
+    elif config.webhook_port is not None:
         tls = config.webhook_cert is not None and config.webhook_key is not None
         settings.admission.server = kopf.WebhookServer(
             addr=config.webhook_host,
@@ -175,6 +188,7 @@ async def started(
     db: Database | None = None,
     policy: PolicyEngine | None = None,
     signals: supervising.Signals | None = None,
+    certificate_clock: webhookcerts.Clock | None = None,
 ) -> AsyncIterator[Operator]:
     """The operator, running while the block runs; every part stops when it ends.
 
@@ -261,14 +275,38 @@ async def started(
         tasks.append(supervising.restarting(allocations.run, name="allocations"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
         tasks.append(supervising.restarting(events.run, name="events"))
+        kept: webhookcerts.WebhookCertificates | None = None
         if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
             # Ends on purpose, so that the process restarts with the new certificate.
             renewed = certificates.exit_when_renewed([config.webhook_cert, config.webhook_key])
             tasks.append(supervising.task(renewed, name="webhook-certificate"))
+        elif config.webhook_port is not None and config.webhook_secret:
+            kept = webhookcerts.WebhookCertificates(
+                kube,
+                namespace=config.namespace,
+                secret_name=config.webhook_secret,
+                names=config.webhook_names,
+                configurations=config.webhook_configurations,
+                clock=certificate_clock or webhookcerts.utc_now,
+            )
+            stack.callback(kept.close)
+            try:
+                await kept.refresh()
+            except KubeError as e:
+                raise OperatorError(f"the webhook certificate ({kept.where}): {e}") from e
+            keeping = functools.partial(kept.run, interval_s=config.webhook_check_s)
+            tasks.append(supervising.restarting(keeping, name="webhook-certificate"))
 
         stop, ready = asyncio.Event(), asyncio.Event()
         kopf_task = asyncio.create_task(
-            _run_kopf(config=config, runtime=runtime, stop=stop, ready=ready, signals=signals),
+            _run_kopf(
+                config=config,
+                runtime=runtime,
+                stop=stop,
+                ready=ready,
+                signals=signals,
+                certificates_kept=kept,
+            ),
             name="kopf",
         )
         stack.push_async_callback(_stop_kopf, kopf_task, stop, signals)
@@ -292,6 +330,15 @@ async def started(
             expires = certificates.expiry(Path(config.webhook_cert))
             if expires is not None:
                 app[METRICS].certificate_expires(expires)
+        if kept is not None:
+            held = kept
+            app[METRICS].certificate_expiry.set_function(
+                lambda: (
+                    held.current.serving().not_valid_after_utc.timestamp()
+                    if held.current is not None
+                    else 0.0
+                )
+            )
         runner = serving.Runner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -354,12 +401,13 @@ async def _run_kopf(
     stop: asyncio.Event,
     ready: asyncio.Event,
     signals: supervising.Signals | None,
+    certificates_kept: webhookcerts.WebhookCertificates | None = None,
 ) -> None:
     tasks = await kopf.spawn_tasks(
         registry=handlers.make_registry(
             node_certificates=config.node_certificates, pool_status_s=config.pool_status_s
         ),
-        settings=kopf_settings(config),
+        settings=kopf_settings(config, certificates_kept=certificates_kept),
         clusterwide=True,
         memo=kopf.Memo(runtime=runtime),
         stop_flag=stop,
@@ -444,6 +492,30 @@ def run(
     ] = None,
     webhook_key: Annotated[
         Path | None, typer.Option(envvar="BCD_WEBHOOK_KEY", help="TLS private key (PEM).")
+    ] = None,
+    webhook_secret: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BCD_WEBHOOK_SECRET",
+            help="Without --webhook-cert: make the webhook certificate and keep it in this "
+            "Secret (in --namespace), renewing it in place months before it expires.",
+        ),
+    ] = None,
+    webhook_service: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_WEBHOOK_SERVICE",
+            help="The Service the webhooks are reached through (the certificate's name).",
+        ),
+    ] = "better-compute-operator",
+    webhook_configurations: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--webhook-configuration",
+            envvar="BCD_WEBHOOK_CONFIGURATIONS",
+            help="A Mutating-/ValidatingWebhookConfiguration whose caBundle to keep current "
+            "(repeat; the variable takes names separated by spaces).",
+        ),
     ] = None,
     priority: Annotated[
         int, typer.Option(envvar="BCD_PEERING_PRIORITY", help="kopf peering priority.")
@@ -537,6 +609,9 @@ def run(
         webhook_port=webhook_port,
         webhook_cert=webhook_cert,
         webhook_key=webhook_key,
+        webhook_secret=webhook_secret,
+        webhook_service=webhook_service,
+        webhook_configurations=tuple(webhook_configurations or ()),
         priority=priority,
         standalone=standalone,
         api_server=api_server,
