@@ -1,17 +1,22 @@
 # syntax=docker/dockerfile:1
 #
-# One image, two entry points: `better-compute-operator` (the default command: kopf handlers,
-# admission webhooks, reconciler, HTTP API) and `better-compute-deviceplugin` (the node agent;
-# the Helm chart's DaemonSet sets the command and runs it as root, because it writes host paths).
+# Two images from one build, each with only its program's dependencies (pyproject.toml's extras):
+#
+#   operator    (the default target) `better-compute-operator`: kopf handlers, admission
+#               webhooks, reconciler, HTTP API; the 'server' extra (PostgreSQL driver, kopf, Cedar).
+#   node-agent  `better-compute-deviceplugin`: the node agent and device plugin; the 'node'
+#               extra (gRPC, NVML), without PostgreSQL, kopf or Cedar. The Helm chart's DaemonSet
+#               runs it as root, because it writes host paths.
 #
 #   docker build -t better-compute:0.1.0 --build-arg VERSION=0.1.0 --build-arg SOURCE=<repo URL> .
+#   docker build --target node-agent -t better-compute-node:0.1.0 --build-arg VERSION=0.1.0 .
 #
 # The base is pinned by version tag. It is not pinned by digest: no registry could be reached
 # where this file was written, so no digest could be read honestly. Pin one in your build
 # (--build-arg PYTHON_IMAGE=python:3.11.14-slim-trixie@sha256:…) once you have pulled it.
 ARG PYTHON_IMAGE=python:3.11.14-slim-trixie
 
-# --- build: our wheel and every dependency's, installed into a virtual environment ----------
+# --- build: our wheel and every dependency's, installed into one virtual environment per image -
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -21,18 +26,21 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 # Binary wheels only for the dependencies (no compiler is needed, and none is used); ours is
 # built from the source tree with setuptools, here and nowhere else.
-RUN python -m pip wheel --wheel-dir /wheels --prefer-binary . \
- && python -m venv /opt/bcd \
- && /opt/bcd/bin/pip install --no-index --find-links /wheels better-compute \
- && /opt/bcd/bin/python -m compileall -q /opt/bcd/lib \
- && /opt/bcd/bin/pip uninstall --yes pip setuptools
+RUN python -m pip wheel --wheel-dir /wheels --prefer-binary '.[server,node]' \
+ && for image in operator:server node:node; do \
+      venv="/opt/bcd-${image%%:*}"; \
+      python -m venv "$venv" \
+      && "$venv/bin/pip" install --no-index --find-links /wheels "better-compute[${image##*:}]" \
+      && "$venv/bin/python" -m compileall -q "$venv/lib" \
+      && "$venv/bin/pip" uninstall --yes pip setuptools; \
+    done
 
-# --- runtime: the virtual environment on a clean base, nothing to build with -----------------
-FROM ${PYTHON_IMAGE}
+# --- runtime: a clean base, nothing to build with; each image adds its virtual environment ----
+FROM ${PYTHON_IMAGE} AS runtime
 ARG VERSION=0.1.0
 ARG SOURCE=""
 LABEL org.opencontainers.image.title="better-compute" \
-      org.opencontainers.image.description="GPU reservations for Kubernetes: the operator and the device plugin" \
+      org.opencontainers.image.description="GPU reservations for Kubernetes" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -42,11 +50,20 @@ RUN python -m pip uninstall --yes --disable-pip-version-check pip setuptools whe
  && groupadd --system --gid 10001 bcd \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
       --shell /usr/sbin/nologin bcd
-COPY --from=build /opt/bcd /opt/bcd
 ENV PATH=/opt/bcd/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
-# No ENTRYPOINT, so `docker run IMAGE better-compute-deviceplugin --help` works as well as the
-# default; no HEALTHCHECK: Kubernetes probes /healthz and /readyz.
+# No ENTRYPOINT, so `docker run IMAGE better-compute --help` works as well as the default;
+# no HEALTHCHECK: Kubernetes probes /healthz and /readyz.
+
+# --- node-agent: the device plugin, without PostgreSQL, kopf or Cedar -------------------------
+FROM runtime AS node-agent
+LABEL org.opencontainers.image.title="better-compute-node"
+COPY --from=build /opt/bcd-node /opt/bcd
+CMD ["better-compute-deviceplugin"]
+
+# --- operator (the default target, last) ------------------------------------------------------
+FROM runtime AS operator
+COPY --from=build /opt/bcd-operator /opt/bcd
 CMD ["better-compute-operator"]

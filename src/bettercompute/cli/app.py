@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
+from bettercompute import extras
 from bettercompute.cli import (
     bodies,
     client,
@@ -841,13 +842,9 @@ def dev(
     """Run a complete server on this machine: embedded PostgreSQL, the API and simulated nodes."""
     with _reporting(None):
         # Imported here, not at the top: --help and every other command must work without the
-        # dev server's dependencies (embedded PostgreSQL, the simulator).
-        try:
+        # dev server's dependencies (the 'dev' extra: embedded PostgreSQL, the simulator).
+        with extras.needs(extras.DEV, program="better-compute dev"):
             from bettercompute.dev import running
-        except ImportError as e:
-            raise client.Failure(
-                f"the dev server is not available in this installation: {e}"
-            ) from None
         try:
             running.run(
                 port=port,

@@ -16,14 +16,16 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
 from bettercompute.cli import client, output
-from bettercompute.core import answers
+
+if TYPE_CHECKING:  # pydantic, which the base install (the CLI alone) lacks
+    from bettercompute.core import answers
 
 Poll = Callable[[], dict[str, Any]]
 
@@ -95,7 +97,7 @@ def follow(
 
 def _table(answer: dict[str, Any]) -> RenderableType:
     # A list answer, or one reservation's get wrapped as one: the list's table either way.
-    return output.reservation_list(cast(answers.ReservationList, answer))
+    return output.reservation_list(cast("answers.ReservationList", answer))
 
 
 def _poll(poll: Poll, last: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
