@@ -90,7 +90,8 @@ async def test_the_request_schemas_are_the_models(api: Api):
     assert "class" in schemas["DeviceRequest"]["properties"]  # by alias
     assert "idempotencyKey" not in schemas["PreviewInput"]["required"]
     assert set(schemas["PreviewInput"]["properties"]) == set(create["properties"])
-    codes = schemas["Error"]["properties"]["error"]["properties"]["code"]["enum"]
+    assert schemas["Error"]["properties"]["error"] == {"$ref": "#/components/schemas/ErrorBody"}
+    codes = schemas["ErrorBody"]["properties"]["code"]["enum"]
     assert set(codes) == set(errors.CODES)
     assert {"Reservation", "ReservationList", "ExtendResult", "Preview"} <= set(schemas)
 

@@ -6,8 +6,8 @@ stdout, and the key, hints and errors on stderr.
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 import re
 import time
 from pathlib import Path

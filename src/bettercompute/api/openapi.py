@@ -1,10 +1,9 @@
 """The OpenAPI 3.1 document of the HTTP API, generated from the input models.
 
 Why generated: the request schemas are the pydantic models the service validates with
-(``core.requests``), so the document cannot drift from what the server accepts. The answers
-(the reservation object, the list page, the extend result, the preview) have no input model;
-their schemas are written here from the guide, and the error envelope from
-``api.errors.CODES``.
+(``core.requests``), so the document cannot drift from what the server accepts. The answers'
+schemas are generated the same way from their types (``core.answers``; the error envelope from
+``api.errors.CODES``), which tests validate real answers against, closed.
 
 The document says exactly what the server accepts (schemathesis checks it against a live server
 in ``tests/api/test_schemathesis.py``): the rules the models check in code rather than by type
@@ -23,12 +22,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic.json_schema import models_json_schema
+from pydantic import ConfigDict, TypeAdapter, WithJsonSchema, with_config
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from typing_extensions import TypedDict
 
 from bettercompute.api import errors, operations
-from bettercompute.core import durations, requests, states
+from bettercompute.core import answers, durations, requests, states
 
 _REF = "#/components/schemas/{model}"
 
@@ -57,259 +58,44 @@ _ERRORS: Mapping[int, tuple[str, str]] = {
     ),
 }
 
-_RESERVATION: dict[str, Any] = {
-    "type": "object",
-    "description": "The guide's reservation object.",
-    "required": [
-        "id",
-        "tenantId",
-        "poolId",
-        "state",
-        "request",
-        "during",
-        "ownerIdentityId",
-        "idempotencyKey",
-        "conditions",
-        "operation",
-        "version",
-    ],
-    "properties": {
-        "id": {"type": "string", "pattern": "^rsv_"},
-        "tenantId": {"type": "string"},
-        "poolId": {"type": "string"},
-        "state": {"enum": [s.value for s in states.State]},
-        "request": {"type": "object", "description": "The normalised request as stored."},
-        "during": {
-            "oneOf": [{"$ref": "#/components/schemas/Window"}, {"type": "null"}],
-            "description": "The booked window; null until placed.",
-        },
-        "ownerIdentityId": {"type": "string"},
-        "idempotencyKey": {"type": "string"},
-        "conditions": {"type": "array", "items": {"type": "object"}},
-        "binding": {"type": ["object", "null"]},
-        "operation": {
-            "type": "object",
-            "required": ["id", "state"],
-            "properties": {
-                "id": {"type": "string"},
-                "state": {"enum": ["running", "pending", "succeeded", "failed"]},
-                "error": {"type": "object"},
-            },
-        },
-        "version": {"type": "integer"},
-        "createdAt": {"type": "integer", "description": "Epoch milliseconds."},
-        "updatedAt": {"type": "integer", "description": "Epoch milliseconds."},
-        "requestedStart": {"type": "integer"},
-        "leaseExpiresAt": {"type": "integer"},
-        "releaseReason": {"type": "string"},
-        "hostShare": {"type": "object"},
-        "resourceName": {
-            "type": "string",
-            "description": "The extended resource a kubernetes binding's devices are advertised"
-            " as, which only pods labelled with this reservation may ask for.",
-        },
-    },
+#: The answers, by the name ``Operation.answer`` gives: the types in ``core.answers``.
+ANSWERS: Mapping[str, Any] = {
+    name: getattr(answers, name)
+    for name in (
+        "Reservation",
+        "ReservationList",
+        "ExtendResult",
+        "Preview",
+        "Whoami",
+        "PoolList",
+        "QuotaList",
+        "SearchResult",
+    )
 }
 
-_ANSWERS: dict[str, Any] = {
-    "Window": {
-        "type": "object",
-        "required": ["start", "end"],
-        "properties": {
-            "start": {"type": "integer", "description": "Epoch milliseconds."},
-            "end": {"type": "integer", "description": "Epoch milliseconds, exclusive."},
-        },
-    },
-    "Reservation": _RESERVATION,
-    "ReservationList": {
-        "type": "object",
-        "required": ["items", "nextCursor"],
-        "properties": {
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/Reservation"}},
-            "nextCursor": {
-                "type": ["string", "null"],
-                "description": "Pass as 'cursor' for the next page; null on the last page.",
-            },
-        },
-    },
-    "ExtendResult": {
-        "type": "object",
-        "required": ["reservation", "extended"],
-        "properties": {
-            "reservation": {"$ref": "#/components/schemas/Reservation"},
-            "extended": {"type": "boolean"},
-            "availableUntil": {
-                "type": "integer",
-                "description": "When another booking starts first: how far it could extend.",
-            },
-        },
-    },
-    "Preview": {
-        "type": "object",
-        "required": ["fits", "poolId", "during", "nodeIds", "devices", "message", "rejected"],
-        "properties": {
-            "fits": {"type": "boolean"},
-            "poolId": {"type": "string"},
-            "during": {"$ref": "#/components/schemas/Window"},
-            "nodeIds": {"type": "array", "items": {"type": "string"}},
-            "devices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["nodeId", "deviceIds"],
-                    "properties": {
-                        "nodeId": {"type": "string"},
-                        "deviceIds": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-            },
-            "message": {"type": "string", "description": "'fits', or the placer's summary."},
-            "resources": {
-                "type": "object",
-                "description": "What each node would book of its host (vcpu, memoryGiB, "
-                "hugepages1Gi): the request's resources, raised to the pool's share.",
-            },
-            "hostShare": {
-                "type": "object",
-                "description": "The part of it that is the pool's per-GPU share (rides on the "
-                "GPUs' quota); {} when the pool has none.",
-            },
-            "never": {
-                "type": "boolean",
-                "description": "true: no node of the pool could hold it even with every device "
-                "free (message starts 'never fits this pool:'); waiting will not help.",
-            },
-            "rejected": {
-                "type": "object",
-                "additionalProperties": {"type": "integer"},
-                "description": "Nodes rejected per filter (ready, labels, health, capacity …).",
-            },
-        },
-    },
-    "Whoami": {
-        "type": "object",
-        "required": ["identityId", "tenantId", "kind", "groups"],
-        "properties": {
-            "identityId": {"type": "string"},
-            "tenantId": {"type": "string"},
-            "kind": {"type": "string"},
-            "groups": {"type": "array", "items": {"type": "string"}},
-        },
-    },
-    "PoolList": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {
-            "items": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["poolId", "nodes", "nodesReady", "devices"],
-                    "properties": {
-                        "poolId": {"type": "string"},
-                        "name": {"type": "string"},
-                        "region": {"type": "string"},
-                        "gpuModel": {"type": ["string", "null"]},
-                        "sharing": {"type": "string"},
-                        "nodes": {"type": "integer"},
-                        "nodesReady": {"type": "integer"},
-                        "devices": {
-                            "type": "object",
-                            "description": "By class (gpu, mig, slot): total, healthy, booked "
-                            "now (of them bound: held by an active reservation), and free now "
-                            "(healthy, unbooked, on a ready node).",
-                            "additionalProperties": {
-                                "type": "object",
-                                "required": ["total", "healthy", "booked", "bound", "free"],
-                                "properties": {
-                                    "total": {"type": "integer"},
-                                    "healthy": {"type": "integer"},
-                                    "booked": {"type": "integer"},
-                                    "bound": {"type": "integer"},
-                                    "free": {"type": "integer"},
-                                },
-                            },
-                        },
-                        "nextFreeAt": {
-                            "type": "integer",
-                            "description": "When none is free: when the first booked one frees.",
-                        },
-                    },
-                },
-            }
-        },
-    },
-    "QuotaList": {
-        "type": "object",
-        "required": ["tenantId", "quotas"],
-        "properties": {
-            "tenantId": {"type": "string"},
-            "quotas": {
-                "type": "array",
-                "description": "By resource (gpu:<model>, gpuSlices:<model>, vcpu, memoryGiB, "
-                "hugepages1Gi); a resource not listed grants nothing.",
-                "items": {
-                    "type": "object",
-                    "required": ["resource", "limit", "used"],
-                    "properties": {
-                        "resource": {"type": "string"},
-                        "limit": {"type": "integer"},
-                        "used": {
-                            "type": "integer",
-                            "description": "Charged now by live reservations (may exceed a "
-                            "limit lowered since).",
-                        },
-                    },
-                },
-            },
-        },
-    },
-    "SearchResult": {
-        "type": "object",
-        "required": ["poolId", "from", "horizonEnd", "windows", "never", "message"],
-        "properties": {
-            "poolId": {"type": "string"},
-            "from": {"type": "integer", "description": "The earliest start considered (ms)."},
-            "horizonEnd": {"type": "integer", "description": "The latest start considered."},
-            "windows": {
-                "type": "array",
-                "description": "In start order; each is what a preview at its start answers.",
-                "items": {
-                    "type": "object",
-                    "required": ["start", "end", "nodeIds"],
-                    "properties": {
-                        "start": {"type": "integer"},
-                        "end": {"type": "integer"},
-                        "nodeIds": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-            },
-            "never": {
-                "type": "boolean",
-                "description": "true: no node of the pool could hold it even at rest.",
-            },
-            "message": {"type": "string"},
-            "resources": {"type": "object"},
-            "hostShare": {"type": "object"},
-        },
-    },
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "additionalProperties": False,
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["code", "message", "details"],
-                "properties": {
-                    "code": {"enum": list(errors.CODES)},
-                    "message": {"type": "string"},
-                    "details": {"type": "object"},
-                },
-            }
-        },
-    },
-}
+
+@with_config(ConfigDict(extra="forbid"))
+class ErrorBody(TypedDict):
+    code: Annotated[str, WithJsonSchema({"enum": list(errors.CODES)})]
+    message: str
+    details: dict[str, Any]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class Error(TypedDict):
+    """The error envelope every refusal answers with."""
+
+    error: ErrorBody
+
+
+def _answer_schemas() -> dict[str, Any]:
+    """The answers' schemas (and what they refer to), generated from their types."""
+    kinds = {**ANSWERS, "Error": Error}
+    adapters: list[tuple[str, JsonSchemaMode, TypeAdapter[Any]]] = [
+        (name, "serialization", TypeAdapter(kind)) for name, kind in kinds.items()
+    ]
+    _, top = TypeAdapter.json_schemas(adapters, ref_template=_REF, by_alias=True)
+    return dict(top.get("$defs", {}))
 
 
 def document(ops: Sequence[operations.Operation] = operations.OPERATIONS) -> dict[str, Any]:
@@ -323,7 +109,7 @@ def document(ops: Sequence[operations.Operation] = operations.OPERATIONS) -> dic
     for op in ops:
         if op.optional:
             schemas[op.schema_name] = _relaxed(schemas[op.model.__name__], op.optional)
-    schemas.update(copy.deepcopy(_ANSWERS))
+    schemas.update(_answer_schemas())
     return {
         "openapi": "3.1.0",
         "info": {

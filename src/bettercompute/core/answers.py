@@ -1,67 +1,99 @@
-"""The shapes the reservation operations answer with, and the row a decision on one is made from.
+"""The shapes every operation answers with, and the row a decision on a reservation is made from.
 
 Why TypedDicts: the answers are JSON objects end to end (the store builds them, the service
-returns them, the HTTP API sends them, the CLI and the operator read them), and their shape is
-the guide's; a TypedDict names every key for the type checker without changing one byte of the
-JSON. ``api.openapi`` documents the same keys (a test holds the two together).
+returns them, the HTTP API sends them, the CLI and the operator read them); a TypedDict names
+every key for the type checker without changing one byte of the JSON. ``api.openapi`` generates
+the answers' schemas from these types (pydantic), so the document cannot drift from them, and
+tests validate real answers against them, closed: a key they do not name fails.
 
 What it must never do: hold behaviour, or a key the guide's reservation object does not have.
 """
 
 from __future__ import annotations
 
-from typing import Any, NotRequired
+from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import ConfigDict, with_config
+from pydantic import ConfigDict, Field, WithJsonSchema, with_config
 
 # pydantic reads a TypedDict's keys at runtime only from typing_extensions' on Python 3.11.
 from typing_extensions import TypedDict
+
+from bettercompute.core import states
 
 # Closed, so that a test validating a real answer against these types fails on a key they miss.
 _CLOSED = ConfigDict(extra="forbid")
 
 
+Ms = Annotated[int, Field(description="Epoch milliseconds.")]
+#: Host resources by name (vcpu, memoryGiB, hugepages1Gi).
+HostFigures = dict[str, int]
+
+
 @with_config(_CLOSED)
 class Window(TypedDict):
-    #: Epoch milliseconds; ``end`` is exclusive.
-    start: int
-    end: int
+    """A booked window: epoch milliseconds, ``end`` exclusive."""
+
+    start: Ms
+    end: Annotated[int, Field(description="Epoch milliseconds, exclusive.")]
+
+
+@with_config(_CLOSED)
+class OperationError(TypedDict):
+    code: str
+    message: str
+
+
+@with_config(_CLOSED)
+class Operation(TypedDict):
+    """The long-running operation of a create: running, pending, succeeded or failed."""
+
+    id: str
+    state: Literal["running", "pending", "succeeded", "failed"]
+    error: NotRequired[OperationError]
 
 
 @with_config(_CLOSED)
 class Reservation(TypedDict):
-    """The guide's reservation object, as ``get`` and every change answer it."""
+    """The reservation object, as ``get`` and every change answer it."""
 
-    id: str
+    id: Annotated[str, Field(pattern="^rsv_")]
     tenantId: str
     poolId: str
-    state: str
-    #: The normalised request as stored (``core.requests.normalized_request``).
-    request: dict[str, Any]
-    #: The booked window; ``None`` until placed.
-    during: Window | None
+    state: Annotated[str, WithJsonSchema({"enum": [s.value for s in states.State]})]
+    request: Annotated[dict[str, Any], Field(description="The normalised request as stored.")]
+    during: Annotated[Window | None, Field(description="The booked window; null until placed.")]
     ownerIdentityId: str
     idempotencyKey: str
     conditions: list[dict[str, Any]]
     binding: dict[str, Any] | None
-    #: ``core.states.operation``.
-    operation: dict[str, Any]
+    operation: Operation
     version: int
-    createdAt: int
-    updatedAt: int
-    requestedStart: NotRequired[int]
-    leaseExpiresAt: NotRequired[int]
+    createdAt: Ms
+    updatedAt: Ms
+    requestedStart: NotRequired[Ms]
+    leaseExpiresAt: NotRequired[Ms]
     releaseReason: NotRequired[str]
-    hostShare: NotRequired[dict[str, Any]]
-    #: A ``kubernetes`` binding in a pool of pod access ``reservation``: the extended resource
-    #: its devices are advertised as (``bcd.dev/rsv-…``), which only its pods may ask for.
-    resourceName: NotRequired[str]
+    hostShare: NotRequired[HostFigures]
+    resourceName: NotRequired[
+        Annotated[
+            str,
+            Field(
+                description="The extended resource a kubernetes binding's devices are advertised"
+                " as, which only pods labelled with this reservation may ask for."
+            ),
+        ]
+    ]
 
 
 @with_config(_CLOSED)
 class ReservationList(TypedDict):
+    """A page of reservations, newest first."""
+
     items: list[Reservation]
-    nextCursor: str | None
+    nextCursor: Annotated[
+        str | None,
+        Field(description="Pass as 'cursor' for the next page; null on the last page."),
+    ]
 
 
 @with_config(_CLOSED)
@@ -71,7 +103,138 @@ class ExtendResult(TypedDict):
 
     reservation: Reservation
     extended: bool
-    availableUntil: NotRequired[int]
+    availableUntil: NotRequired[
+        Annotated[int, Field(description="When another booking starts first: how far it could.")]
+    ]
+
+
+@with_config(_CLOSED)
+class NodeDevices(TypedDict):
+    nodeId: str
+    deviceIds: list[str]
+
+
+_NEVER = (
+    "true: no node of the pool could hold it even with every device free (message starts"
+    " 'never fits this pool:'); waiting will not help."
+)
+_RESOURCES = (
+    "What each node would book of its host (vcpu, memoryGiB, hugepages1Gi): the request's"
+    " resources, raised to the pool's share."
+)
+_SHARE = (
+    "The part of it that is the pool's per-GPU share (rides on the GPUs' quota); {} when the"
+    " pool has none."
+)
+
+
+@with_config(_CLOSED)
+class Preview(TypedDict):
+    """Whether a create would fit now and where (no booking, no decision)."""
+
+    fits: bool
+    poolId: str
+    during: Window
+    nodeIds: list[str]
+    devices: list[NodeDevices]
+    message: Annotated[str, Field(description="'fits', or the placer's summary.")]
+    resources: Annotated[HostFigures, Field(description=_RESOURCES)]
+    hostShare: Annotated[HostFigures, Field(description=_SHARE)]
+    never: Annotated[bool, Field(description=_NEVER)]
+    rejected: Annotated[
+        dict[str, int],
+        Field(description="Nodes rejected per filter (ready, labels, health, capacity …)."),
+    ]
+
+
+@with_config(_CLOSED)
+class Whoami(TypedDict):
+    """The caller as the server authenticated it."""
+
+    identityId: str
+    tenantId: str
+    kind: str
+    groups: list[str]
+
+
+@with_config(_CLOSED)
+class DeviceFigures(TypedDict):
+    total: int
+    healthy: int
+    booked: Annotated[int, Field(description="Booked now.")]
+    bound: Annotated[int, Field(description="Of the booked, held by an active reservation.")]
+    free: Annotated[int, Field(description="Healthy, unbooked, on a ready node.")]
+
+
+@with_config(_CLOSED)
+class PoolHolding(TypedDict):
+    """A pool and what it holds now."""
+
+    poolId: str
+    name: str
+    region: str
+    gpuModel: str | None
+    sharing: str
+    nodes: int
+    nodesReady: int
+    devices: Annotated[
+        dict[str, DeviceFigures], Field(description="By device class: gpu, mig, slot.")
+    ]
+    nextFreeAt: NotRequired[
+        Annotated[int, Field(description="When none is free: when the first booked one frees.")]
+    ]
+
+
+@with_config(_CLOSED)
+class PoolList(TypedDict):
+    """The pools the tenant owns or is offered."""
+
+    items: list[PoolHolding]
+
+
+@with_config(_CLOSED)
+class QuotaRow(TypedDict):
+    resource: Annotated[
+        str,
+        Field(description="gpu:<model>, gpuSlices:<model>, vcpu, memoryGiB or hugepages1Gi."),
+    ]
+    limit: int
+    used: Annotated[
+        int,
+        Field(description="Charged now by live reservations (may exceed a lowered limit)."),
+    ]
+
+
+@with_config(_CLOSED)
+class QuotaList(TypedDict):
+    """The tenant's quota; a resource not listed grants nothing."""
+
+    tenantId: str
+    quotas: list[QuotaRow]
+
+
+@with_config(_CLOSED)
+class FoundWindow(TypedDict):
+    start: Ms
+    end: Ms
+    nodeIds: list[str]
+
+
+@with_config(_CLOSED)
+class SearchResult(TypedDict):
+    """The earliest windows a create would fit in (no booking, no decision)."""
+
+    poolId: str
+    from_: Annotated[int, Field(alias="from", description="The earliest start considered (ms).")]
+    horizonEnd: Annotated[int, Field(description="The latest start considered (ms).")]
+    windows: Annotated[
+        list[FoundWindow],
+        Field(description="In start order; each is what a preview at its start answers."),
+    ]
+    never: Annotated[bool, Field(description=_NEVER)]
+    message: str
+    resources: Annotated[HostFigures, Field(description=_RESOURCES)]
+    hostShare: Annotated[HostFigures, Field(description=_SHARE)]
 
 
 class AuthorizationRow(TypedDict):
