@@ -605,3 +605,32 @@ async def test_watch_refuses_a_busy_interval_and_an_unknown_reservation(cli: Cli
     missing = await cli("watch", "rsv_doesnotexist", "--tenant", "acme", "--for", "1s")
     assert missing.rc == 1, missing
     assert "NOT_FOUND" in missing.stderr, missing
+
+
+async def test_watch_events_prints_the_tenants_events_live(cli: Cli):
+    watching = asyncio.create_task(
+        cli("watch", "--events", "--tenant", "acme", "--for", "4s", "-o", "json")
+    )
+    await asyncio.sleep(1.5)
+    made = await reserve_json(cli, "--key", "evented")
+    released = await cli("release", made["id"], "--tenant", "acme")
+    assert released.rc == 0, released
+    shown = await watching
+    assert shown.rc == 0, shown
+    events = [json.loads(line) for line in shown.stdout.splitlines() if line.strip()]
+    mine = [e for e in events if e["reservationId"] == made["id"]]
+    assert mine[0]["type"] == "reservation.placed", events
+    assert "reservation.released" in [e["type"] for e in mine]
+    # Resumed after the first event: the later ones again, as plain lines.
+    again = await cli(
+        "watch", "--events", "--tenant", "acme", "--after", str(mine[0]["id"]), "--for", "1s"
+    )
+    assert again.rc == 0, again
+    assert str(mine[0]["id"]) not in [line.split()[0] for line in again.stdout.splitlines()]
+    assert re.search(rf"^{mine[1]['id']}\s.*{mine[1]['type']}\s+{made['id']}", again.stdout, re.M)
+
+
+async def test_watch_events_of_another_tenant_is_refused(cli: Cli):
+    refused = await cli("watch", "--events", "--tenant", "globex", "--for", "1s")
+    assert refused.rc == 1, refused
+    assert "ACCESS_DENIED" in refused.stderr, refused

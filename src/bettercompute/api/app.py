@@ -66,6 +66,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import http_exceptions, web
+from aiohttp_sse import EventSourceResponse, sse_response
 
 from bettercompute.api import errors, metrics, openapi, operations
 from bettercompute.core import ids, ports
@@ -140,6 +141,7 @@ def make_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get(f"{operations.PREFIX}/events/watch", _watch_events)
     return app
 
 
@@ -209,6 +211,43 @@ async def _json_body(request: web.Request) -> Any:
 def _no_constant(name: str) -> Any:
     # Python's json reads NaN and Infinity, which JSON itself does not have.
     raise ValueError(f"{name} is not a JSON value")
+
+
+# --- events, as Server-Sent Events ------------------------------------------------------------
+
+#: A comment line this often keeps proxies and our own idle timeout from closing a quiet stream.
+EVENTS_PING_S = 15.0
+
+
+async def _watch_events(request: web.Request) -> web.StreamResponse:
+    """``GET /api/compute/events/watch?tenantId=acme``: the tenant's events as they commit,
+    one SSE message each (``id`` the event's id, ``event`` its type, ``data`` the JSON event),
+    from ``Last-Event-ID`` (or ``?after=``) on, else from now. Refusals come before the stream,
+    as the usual JSON error."""
+    caller = await _authenticate(request)
+    tenant_id = request.query.get("tenantId", "")
+    if not tenant_id:
+        raise errors.invalid_input("tenantId", "required: the tenant whose events to watch")
+    after_text = request.headers.get("Last-Event-ID") or request.query.get("after")
+    after: int | None = None
+    if after_text is not None:
+        field = "Last-Event-ID" if request.headers.get("Last-Event-ID") else "after"
+        if not after_text.isascii() or not after_text.isdigit() or len(after_text) > 18:
+            raise errors.invalid_input(field, "must be an event id (digits)")
+        after = int(after_text)
+    batches = request.app[SERVICE].watch_events(caller, tenant_id=tenant_id, after=after)
+    try:
+        first = await anext(batches)  # the pre-check runs here, before anything is streamed
+        stream: EventSourceResponse
+        async with sse_response(request, ping_interval=EVENTS_PING_S) as stream:
+            batch: list[dict[str, Any]] = first
+            while stream.is_connected():
+                for event in batch:
+                    await stream.send(json.dumps(event), id=str(event["id"]), event=event["type"])
+                batch = await anext(batches)
+    finally:
+        await batches.aclose()
+    return stream
 
 
 # --- plain routes ----------------------------------------------------------------------------

@@ -237,6 +237,53 @@ def _plain_paths() -> dict[str, Any]:
         "/healthz": get("The process is alive", "application/json", status),
         "/readyz": readyz,
         "/metrics": get("Prometheus metrics", "text/plain", {"type": "string"}),
+        f"{operations.PREFIX}/events/watch": _events_watch(),
+    }
+
+
+def _events_watch() -> dict[str, Any]:
+    """The event stream: documented here, though no generated test can call an endless one."""
+    return {
+        "get": {
+            "operationId": "events.watch",
+            "summary": "The tenant's events as Server-Sent Events, as they commit",
+            "description": (
+                "Each message: 'id' the event's id, 'event' its type (reservation.placed …), "
+                "'data' the JSON event {id, type, reservationId, at, data}. A comment line "
+                "every 15 s keeps a quiet stream open. Resume with the header Last-Event-ID "
+                "(or ?after=); without either, the stream starts with the next event. The "
+                "caller must be a member of the tenant; a refusal is the usual JSON error, "
+                "before anything is streamed."
+            ),
+            "tags": ["events"],
+            "security": [{"bearer": []}],
+            "parameters": [
+                {"name": "tenantId", "in": "query", "required": True, "schema": {"type": "string"}},
+                {
+                    "name": "after",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+                },
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+                },
+            ],
+            "responses": {
+                "200": {
+                    "description": "The stream (text/event-stream), open until the caller ends it.",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                },
+                **{
+                    str(status): {"$ref": f"#/components/responses/{name}"}
+                    for status, (name, _) in _ERRORS.items()
+                    if status in (400, 401, 403, 503)
+                },
+            },
+        }
     }
 
 

@@ -584,15 +584,40 @@ def watch(
         str | None,
         typer.Option("--for", help="Stop after this long (default: until Ctrl-C)."),
     ] = None,
+    events: Annotated[
+        bool,
+        typer.Option(
+            "--events",
+            help="Print the tenant's events as they happen (one line each: id, time, type,"
+            " reservation, state) instead of the table.",
+        ),
+    ] = False,
+    after: Annotated[
+        int | None,
+        typer.Option("--after", help="With --events: resume after this event id.", min=0),
+    ] = None,
     url: options.UrlOption = None,
     token: options.TokenOption = None,
+    out: options.OutputOption = None,
 ) -> None:
     """Follow reservations as they move: a table that updates in place until Ctrl-C.
 
     Shows your live reservations (placed, pending, binding, active), newest first; with an id,
     that one whatever its state. Piped to a file, it prints a new table, headed by the time,
-    each time something changed.
+    each time something changed. With --events, the tenant's events stream in as they
+    commit (the server's GET /api/compute/events/watch); -o json prints each as JSON.
     """
+    if events:
+        _watch_events(
+            reservation_id,
+            tenant=tenant,
+            after=after,
+            stop_after=stop_after,
+            url=url,
+            token=token,
+            out=out,
+        )
+        return
     with _reporting(None):
         every_ms = _duration(every, option="--every")
         if every_ms < 1000:
@@ -625,6 +650,42 @@ def watch(
                 every_s=every_ms / 1000,
                 stop_after_s=None if limit_ms is None else limit_ms / 1000,
             )
+
+
+def _watch_events(
+    reservation_id: str | None,
+    *,
+    tenant: str | None,
+    after: int | None,
+    stop_after: str | None,
+    url: str | None,
+    token: str | None,
+    out: Output | None,
+) -> None:
+    with _reporting(out):
+        limit_ms = _duration(stop_after, option="--for") if stop_after is not None else None
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        chosen = _tenant(found)
+        ends = None if limit_ms is None else time.monotonic() + limit_ms / 1000
+        with _client(found) as api:
+            stream = api.events(chosen, after=after)
+            try:
+                for event in _until(stream, ends):
+                    if reservation_id and not str(event.get("reservationId")).startswith(
+                        reservation_id
+                    ):
+                        continue
+                    output.event_line(event, output=found.output)
+            except KeyboardInterrupt:
+                pass
+
+
+def _until(stream: Iterator[dict[str, Any]], ends: float | None) -> Iterator[dict[str, Any]]:
+    """The stream's events until ``ends`` (monotonic), however quiet the stream is."""
+    if ends is None:
+        yield from stream
+        return
+    yield from watching.bounded(stream, ends=ends)
 
 
 def _duration(text: str, *, option: str) -> int:

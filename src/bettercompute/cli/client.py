@@ -18,9 +18,12 @@ same key, which the command owns), print anything, or let an ``httpx`` exception
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -105,6 +108,37 @@ class ApiClient:
                 exit_code=EXIT_UNREACHABLE,
             ) from None
         return self._read(response)
+
+    def events(self, tenant_id: str, *, after: int | None = None) -> Iterator[dict[str, Any]]:
+        """The tenant's events as the server streams them (``GET events/watch``), forever;
+        resumed after event ``after`` when given. A refusal is a ``Failure``, as for ``call``."""
+        target = self.url + API_PREFIX + "events/watch"
+        headers = {"Last-Event-ID": str(after)} if after is not None else {}
+        # No read timeout: a quiet stream is kept open by the server's comment pings.
+        timeout = httpx.Timeout(None, connect=5.0)
+        try:
+            with connect_sse(
+                self._http,
+                "GET",
+                target,
+                params={"tenantId": tenant_id},
+                headers=headers,
+                timeout=timeout,
+            ) as source:
+                if source.response.status_code != 200:
+                    source.response.read()
+                    self._read(source.response)  # raises the refusal
+                for message in source.iter_sse():
+                    if message.data:
+                        yield json.loads(message.data)
+        except httpx.ConnectError as e:
+            raise self._unreachable(str(e) or "connection failed") from None
+        except httpx.TransportError as e:
+            raise Failure(
+                f"lost the connection to the server at {self.url}: {e or type(e).__name__}",
+                exit_code=EXIT_UNREACHABLE,
+                hint="run it again with --after <the last id shown> to miss nothing",
+            ) from None
 
     def _read(self, response: httpx.Response) -> Any:
         try:

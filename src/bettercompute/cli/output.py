@@ -359,6 +359,23 @@ def pools(data: Any) -> RenderableType:
     return table
 
 
+def event_line(event: dict[str, Any], *, output: Output) -> None:
+    """One event of ``watch --events``: a JSON line, or ``ID  TIME  TYPE  RESERVATION  STATE``."""
+    if output in (Output.JSON, Output.YAML):
+        sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+    else:
+        data = event.get("data") or {}
+        parts = [
+            str(event.get("id")),
+            parsing.format_time(event.get("at")),
+            str(event.get("type")),
+            str(event.get("reservationId")),
+            str(data.get("state") or ""),
+        ]
+        sys.stdout.write("  ".join(parts).rstrip() + "\n")
+    sys.stdout.flush()
+
+
 def quotas(data: Any) -> RenderableType:
     """``quotas.get``: one row per resource: used, limit and what is left."""
     if not isinstance(data, dict):

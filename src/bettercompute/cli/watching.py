@@ -14,9 +14,11 @@ What it must never do: change anything (it only reads), or spin: one poll per in
 from __future__ import annotations
 
 import datetime as dt
+import queue
+import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # pydantic, which the base install (the CLI alone) lacks
     from bettercompute.core import answers
 
 Poll = Callable[[], dict[str, Any]]
+T = TypeVar("T")
 
 
 def _stamp() -> str:
@@ -93,6 +96,33 @@ def follow(
     except KeyboardInterrupt:
         pass
     return shown
+
+
+def bounded(stream: Iterator[T], *, ends: float) -> Iterator[T]:
+    """``stream``'s items until the monotonic time ``ends``, even while it is silent: it is
+    read in a thread of its own (a blocking socket read cannot be given a deadline), and an
+    error it raises is raised here."""
+    box: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+    def pump() -> None:
+        try:
+            for item in stream:
+                box.put(("item", item))
+            box.put(("end", None))
+        except BaseException as e:  # handed to the reader, who raises it
+            box.put(("error", e))
+
+    threading.Thread(target=pump, name="watch-events", daemon=True).start()
+    while (left := ends - time.monotonic()) > 0:
+        try:
+            kind, value = box.get(timeout=left)
+        except queue.Empty:
+            return
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        yield value
 
 
 def _table(answer: dict[str, Any]) -> RenderableType:

@@ -18,7 +18,7 @@ import datetime as dt
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from bettercompute import supervising
@@ -31,6 +31,7 @@ from bettercompute.store import (
     capacity,
     extending,
     holding,
+    outbox,
     previewing,
     queries,
     quotas,
@@ -68,6 +69,10 @@ GIVE_BACK_WAIT_S = 0.25
 #: How long giving back is retried in the background: the longest age limit (an extend hold's
 #: 60 s), after which the claim or hold is free anyway.
 GIVE_BACK_FOR_S = 60.0
+
+
+#: Events of one tenant, oldest first (``store.outbox.tenant_events_after``'s rows).
+EventBatch = list[dict[str, Any]]
 
 
 class ReservationService:
@@ -610,6 +615,30 @@ class ReservationService:
             "tenantId": value.tenantId,
             "quotas": await quotas.of_tenant(self.db, tenant_id=value.tenantId),
         }
+
+    async def watch_events(
+        self,
+        caller: ports.Caller,
+        *,
+        tenant_id: str,
+        after: int | None,
+        poll_s: float = 0.5,
+    ) -> AsyncGenerator[EventBatch]:
+        """The tenant's events as they are committed, in batches, oldest first, forever:
+        from the one after ``after`` (an event id: a resumed watch), else from now. A batch may
+        be empty (nothing new within ``poll_s``), so a caller is never held longer than that.
+
+        Checks the caller before anything is read. Polls the outbox every ``poll_s`` while
+        nothing is new (an indexed read of the newest ids: cheap next to a held connection)."""
+        self._precheck(caller, tenant_id)
+        last = await outbox.latest_id(self.db) if after is None else after
+        while True:
+            batch = await outbox.tenant_events_after(self.db, tenant_id=tenant_id, after_id=last)
+            if batch:
+                last = batch[-1]["id"]
+            yield batch
+            if not batch:
+                await asyncio.sleep(poll_s)
 
     async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``capacity.search``: the earliest windows a create would fit in, booking nothing.

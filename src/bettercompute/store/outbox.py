@@ -45,3 +45,36 @@ async def save_cursor(db: Database, *, subscriber: str, last_id: int) -> None:
             "UPDATE outbox_cursors SET last_id = greatest(last_id, %s) WHERE subscriber = %s",
             (last_id, subscriber),
         )
+
+
+async def tenant_events_after(
+    db: Database, *, tenant_id: str, after_id: int, limit: int = 200
+) -> list[dict[str, Any]]:
+    """The events about ``tenant_id``'s reservations after ``after_id``, oldest first: ``{id,
+    type, reservationId, at, data}`` (what a watcher of that tenant may see, and no more)."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT o.id, o.type, r.id AS reservation_id, o.data, epoch_ms(o.created_at) AS at"
+                "  FROM outbox o JOIN reservations r ON o.subject = 'reservation/' || r.id"
+                " WHERE o.id > %s AND r.tenant_id = %s ORDER BY o.id LIMIT %s",
+                (after_id, tenant_id, limit),
+            )
+        ).fetchall()
+    return [
+        {
+            "id": int(r["id"]),
+            "type": r["type"],
+            "reservationId": r["reservation_id"],
+            "at": int(r["at"]),
+            "data": r["data"],
+        }
+        for r in rows
+    ]
+
+
+async def latest_id(db: Database) -> int:
+    """The newest event's id (0 when there is none): where a watch from now starts."""
+    async with db.connection() as conn:
+        row = await (await conn.execute("SELECT coalesce(max(id), 0) AS n FROM outbox")).fetchone()
+    return int(row["n"]) if row else 0
