@@ -1,0 +1,1 @@
+"""The documentation site: its generated references, their generators and the site's checks."""
