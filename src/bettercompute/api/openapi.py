@@ -118,7 +118,8 @@ def document(ops: Sequence[operations.Operation] = operations.OPERATIONS) -> dic
             "description": (
                 "GPU reservations. Every operation is a POST with a JSON body, a bearer token "
                 "and the header 'X-Better-Compute: 1'; it answers {\"data\": …} or "
-                '{"error": {"code", "message", "details"}}.'
+                '{"error": {"code", "message", "details"}}. The event stream '
+                "(GET events/watch) and the probes are the GET routes."
             ),
         },
         "paths": {
