@@ -1,8 +1,10 @@
 """Fixtures for the chart tests: the chart loaded once, a renderer, and value sets.
 
-``full_values`` turns on every optional part with non-default settings (policies, pools, a
-simulated inventory, node labels, ServiceMonitors, NetworkPolicies, a digest), so one render
-covers every template branch that the defaults leave out.
+``full()`` turns on every optional part with non-default settings (policies, pools, a
+simulated inventory, node labels, ServiceMonitors, NetworkPolicies, a digest, the database by
+host and parts, service-account annotations, changed security contexts, extra environment
+variables, volumes and mounts, topology spread constraints), so one render covers every
+template branch that the defaults leave out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ POOL = {
     "owner": {"tenant": "acme"},
     "offers": [{"tenant": "globex", "onBudgetExceeded": "stop-new"}],
 }
+#: full()'s database: by host and parts, the password from a Secret the user manages.
+DATABASE = {
+    "host": "db.example",
+    "port": 6432,
+    "name": "bcd",
+    "user": "bcd_operator",
+    "passwordSecret": {"name": "bcd-db", "key": "password"},
+    "sslmode": "verify-full",
+}
+#: Secrets full() names that the chart does not make: (name, key) → value.
+USER_SECRETS = {("bcd-db", "password"): "s3cret"}
+ROLE_ARN = "arn:aws:iam::123456789012:role/better-compute"
+GSA = "bcd-node@example-project.iam.gserviceaccount.com"
 QUOTAS = {
     "acme": {"tenant": "acme", "limits": {"gpu:H100": 16}},
     "globex": {"tenant": "globex", "limits": {"gpu:H100": 8}},
@@ -47,13 +62,40 @@ def full() -> dict[str, Any]:
             "pullPolicy": "Always",
         },
         "imagePullSecrets": [{"name": "registry"}],
-        "database": {"url": "postgresql://bcd:secret@db.example:5432/bcd"},
+        "database": DATABASE,
         "operator": {
             "replicas": 3,
             "rootTenant": "platform",
             "logLevel": "DEBUG",
+            "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}},
+            # Merged into the defaults: one field added, one dropped.
+            "podSecurityContext": {"fsGroupChangePolicy": "OnRootMismatch", "fsGroup": None},
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "extraEnv": [
+                {"name": "PGSSLROOTCERT", "value": "/etc/bcd/database-ca/ca.crt"},
+                {"name": "PGAPPNAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            ],
+            "extraVolumes": [
+                {
+                    "name": "database-ca",
+                    "secret": {
+                        "secretName": "db-ca",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    },
+                }
+            ],
+            "extraVolumeMounts": [
+                {"name": "database-ca", "mountPath": "/etc/bcd/database-ca", "readOnly": True}
+            ],
             "nodeSelector": {"node-role/control": "true"},
             "tolerations": [{"key": "control", "operator": "Exists", "effect": "NoSchedule"}],
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                }
+            ],
             "priorityClassName": "system-cluster-critical",
             "podAnnotations": {"example.com/team": "platform"},
         },
@@ -65,8 +107,17 @@ def full() -> dict[str, Any]:
             "nodeSelector": {"bcd.dev/gpu-node": "true"},
             "nodeLabels": {"bcd.dev/pool": "h100-train", "topology.example/rack": "r1"},
             "runtimeClassName": "nvidia",
+            "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": GSA}},
+            "podSecurityContext": {"supplementalGroups": [44]},
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "extraEnv": [{"name": "TZ", "value": "UTC"}],
+            "extraVolumes": [{"name": "site-config", "configMap": {"name": "site-config"}}],
+            "extraVolumeMounts": [
+                {"name": "site-config", "mountPath": "/etc/site", "readOnly": True}
+            ],
             "simulatedInventory": {"enabled": True},
         },
+        "crds": {"upgrade": {"enabled": True, "resources": {"limits": {"memory": "96Mi"}}}},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         "networkPolicy": {
             "enabled": True,

@@ -181,6 +181,9 @@ def test_notes_tell_what_to_do_next(defaults: rendering.Rendered, everything: re
     sample = yaml.safe_load("\n".join(line[5:] for line in block.splitlines()))
     assert sample["kind"] == "Reservation"
     assert webhooks.spec_problem(sample["spec"]) is None
-    # Given the URL, the NOTES do not ask for the Secret; they name the pools made.
-    assert "create secret generic" not in everything.notes
+    # Given the database by host, the NOTES name it and ask for the password's Secret, not for
+    # the URL's; they name the pools made.
+    assert "create secret generic bc-better-compute-database" not in everything.notes
+    assert "PostgreSQL at db.example:6432, database bcd, as bcd_operator" in everything.notes
+    assert "create secret generic bcd-db --from-literal=password=" in everything.notes
     assert "this release created: h100-train" in everything.notes

@@ -23,6 +23,7 @@ from typing import Any
 
 import celpy
 import pytest
+import yaml
 from celpy import adapter
 
 from bettercompute.deviceplugin.agent import started as agent_started
@@ -39,7 +40,15 @@ from tests.support.kubeserver import KubeApi
 
 OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
+CRD_UPGRADE = "bc-better-compute-crd-upgrade"
 NODE_CA = "bc-node-ca"
+#: Our CRDs by name, the only ones the CRD upgrade hook may touch.
+BCD_CRDS = tuple(
+    sorted(
+        yaml.safe_load(p.read_text(encoding="utf-8"))["metadata"]["name"]
+        for p in (rendering.ROOT / "crds").glob("*.yaml")
+    )
+)
 PODS = Ref(group="", version="v1", plural="pods", namespaced=True)
 
 # (kind, apiGroup, resource, resourceNames, verbs, who needs it)
@@ -143,6 +152,17 @@ EXPECTED = [
     # --- the device plugin, in the operator's namespace
     ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations", None, "list watch", "watching"),
     ("Role", DEVICE_PLUGIN, "bcd.dev", "deviceallocations/status", None, "patch", "watching"),
+    # --- the CRD upgrade hook (files/apply-crds.py), our CRDs by name: server-side apply (a
+    # patch, and a create of that name when the CRD is new), get while waiting for Established
+    (
+        "ClusterRole",
+        CRD_UPGRADE,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        BCD_CRDS,
+        "get create patch",
+        "test_crd_upgrade.py",
+    ),
 ]
 
 

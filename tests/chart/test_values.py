@@ -81,6 +81,87 @@ REFUSED = [
     ),
     ({"networkPolicy": {"httpFrom": [{"pods": {}}]}}, "/networkPolicy/httpFrom/0", "'pods'"),
     ({"surprise": True}, "", "'surprise' not allowed"),
+    # --- the pods' settings (tests/chart/test_pod_settings.py renders them)
+    (
+        {"operator": {"podSecurityContext": {"runAsUser": "root"}}},
+        "/operator/podSecurityContext/runAsUser",
+        "want integer",
+    ),
+    (
+        {"operator": {"podSecurityContext": {"privileged": True}}},
+        "/operator/podSecurityContext",
+        "'privileged' not allowed",
+    ),
+    # A default is dropped field by field: the whole map may not go (a reused older release's
+    # values, which lack it, fail here instead of running without it).
+    ({"operator": {"podSecurityContext": None}}, "/operator", "podSecurityContext"),
+    ({"devicePlugin": {"securityContext": None}}, "/devicePlugin", "securityContext"),
+    (
+        {"devicePlugin": {"securityContext": {"capabilities": {"drop": "ALL"}}}},
+        "/devicePlugin/securityContext/capabilities/drop",
+        "want array",
+    ),
+    (
+        {"operator": {"securityContext": {"seccompProfile": {"type": "Strict"}}}},
+        "/operator/securityContext/seccompProfile/type",
+        "one of",
+    ),
+    (
+        {"operator": {"serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": 1}}}},
+        "/operator/serviceAccount/annotations/eks.amazonaws.com~1role-arn",
+        "want string",
+    ),
+    (
+        {"devicePlugin": {"serviceAccount": {"name": "other"}}},
+        "/devicePlugin/serviceAccount",
+        "'name' not allowed",
+    ),
+    ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0", "name"),
+    (
+        {"operator": {"extraEnv": [{"name": "A", "value": 5}]}},
+        "/operator/extraEnv/0/value",
+        "string",
+    ),
+    (
+        {
+            "operator": {
+                "extraEnv": [
+                    {
+                        "name": "A",
+                        "value": "1",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                    }
+                ]
+            }
+        },
+        "/operator/extraEnv/0",
+        "'not' failed",
+    ),
+    ({"devicePlugin": {"extraEnv": {"TZ": "UTC"}}}, "/devicePlugin/extraEnv", "want array"),
+    ({"devicePlugin": {"extraVolumes": [{"name": "x"}]}}, "/devicePlugin/extraVolumes/0", "min"),
+    (
+        {"devicePlugin": {"extraVolumes": [{"name": "x", "hostpath": {"path": "/"}}]}},
+        "/devicePlugin/extraVolumes/0",
+        "'hostpath' not allowed",
+    ),
+    (
+        {"operator": {"extraVolumeMounts": [{"name": "x", "mountPath": "relative"}]}},
+        "/operator/extraVolumeMounts/0/mountPath",
+        "pattern",
+    ),
+    (
+        {"operator": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}},
+        "/operator/topologySpreadConstraints/0",
+        "whenUnsatisfiable",
+    ),
+    (
+        {"devicePlugin": {"topologySpreadConstraints": []}},
+        "/devicePlugin",
+        "'topologySpreadConstraints' not allowed",
+    ),
+    ({"devicePlugin": {"priorityClassName": 5}}, "/devicePlugin/priorityClassName", "string"),
+    ({"crds": {"upgrade": {"enabled": "yes"}}}, "/crds/upgrade/enabled", "want boolean"),
+    ({"crds": {"upgrade": {"image": "kubectl"}}}, "/crds/upgrade", "'image' not allowed"),
 ]
 
 

@@ -26,7 +26,7 @@ from bettercompute.deviceplugin import agent
 from bettercompute.operator import running
 from bettercompute.operator.config import OperatorConfig
 from tests.chart import rendering
-from tests.chart.conftest import POLICY
+from tests.chart.conftest import DATABASE, POLICY, USER_SECRETS
 
 HOST_PATHS = {
     "/var/lib/kubelet/device-plugins",
@@ -147,6 +147,8 @@ def _resolve(rendered: rendering.Rendered, value: Any) -> str:
             "metadata.labels['apps.kubernetes.io/pod-index']": POD["index"],
         }[path]
     ref = value["secretKeyRef"]
+    if (ref["name"], ref["key"]) in USER_SECRETS:  # one the user makes, not the chart
+        return USER_SECRETS[ref["name"], ref["key"]]
     secret = rendered.one("Secret", ref["name"])
     return str(secret["stringData"][ref["key"]])
 
@@ -155,7 +157,7 @@ def _params(
     rendered: rendering.Rendered, command: click.Command, container: dict[str, Any], monkeypatch
 ) -> dict[str, Any]:
     for name in list(agent.os.environ):
-        if name.startswith(("BCD_", "DATABASE_URL", "POD_", "NODE_NAME", "KUBECONFIG")):
+        if name.startswith(("BCD_", "DATABASE_URL", "PG", "POD_", "NODE_NAME", "KUBECONFIG")):
             monkeypatch.delenv(name)
     for env in container["env"]:
         monkeypatch.setenv(env["name"], _resolve(rendered, env.get("value", env.get("valueFrom"))))
@@ -188,7 +190,24 @@ def test_the_operator_command_reads_what_the_chart_gives(
     assert container["command"] == ["better-compute-operator"]
     params = _params(everything, typer.main.get_command(running.cli), container, monkeypatch)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert params["database_url"] == "postgresql://bcd:secret@db.example:5432/bcd"
+    # The database by host: no URL, libpq's variables (tests/chart/test_database.py connects).
+    assert params["database_url"] == "postgresql://"
+    env = {
+        e["name"]: _resolve(everything, e.get("value", e.get("valueFrom")))
+        for e in container["env"]
+    }
+    assert {k: v for k, v in env.items() if k.startswith("PG")} == {
+        "PGHOST": DATABASE["host"],
+        "PGPORT": str(DATABASE["port"]),
+        "PGDATABASE": DATABASE["name"],
+        "PGUSER": DATABASE["user"],
+        "PGPASSWORD": USER_SECRETS["bcd-db", "password"],
+        "PGSSLMODE": DATABASE["sslmode"],
+        # operator.extraEnv, after the chart's own
+        "PGSSLROOTCERT": "/etc/bcd/database-ca/ca.crt",
+        "PGAPPNAME": POD["name"],
+    }
+    assert _inside(Path(env["PGSSLROOTCERT"]), container)["name"] == "database-ca"
     assert params["namespace"] == rendering.NAMESPACE
     assert params["root_tenant"] == "platform"
     assert params["priority"] == int(POD["index"])

@@ -91,19 +91,6 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if .Values.database.url }}url{{ else }}{{ .Values.database.existingSecret.key }}{{ end }}
 {{- end }}
 
-{{/* The pod securityContext both workloads share, less the user (theirs differ). */}}
-{{- define "bcd.seccomp" -}}
-seccompProfile:
-  type: RuntimeDefault
-{{- end }}
-
-{{- define "bcd.containerSecurity" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-capabilities:
-  drop: [ALL]
-{{- end }}
-
 {{/* Where the operator reads its Cedar policy files: BCD_POLICY_FILES, colon-separated. */}}
 {{- define "bcd.policyFiles" -}}
 {{- $paths := list }}
@@ -135,4 +122,73 @@ for both lists (no list-of-lists trick, so the API server's type checker accepts
 {{- define "bcd.podWebhookCondition" -}}
 {{- $asks := "c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('bcd.dev/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('bcd.dev/'))))" -}}
 (has(object.metadata.labels) && 'bcd.dev/reservation' in object.metadata.labels) || object.spec.containers.exists({{ $asks }}) || (has(object.spec.initContainers) && object.spec.initContainers.exists({{ $asks }}))
+{{- end }}
+
+{{/*
+A component's extra list items (extraEnv, extraVolumes, extraVolumeMounts) after the chart's
+own, as YAML: include "bcd.extraItems" (dict "own" <the chart's items as YAML> "extra" <list>
+"key" "name" "value" "operator.extraEnv"). Fails, naming the value, when an item has the key
+of one of the chart's items or of an earlier extra one: the API server keeps a list by that key,
+and server-side apply refuses a duplicate.
+*/}}
+{{- define "bcd.extraItems" -}}
+{{- $own := list }}
+{{- range (.own | fromYamlArray) }}
+{{- $own = append $own (get . $.key) }}
+{{- end }}
+{{- $seen := list }}
+{{- range $i, $item := .extra }}
+{{- $id := get $item $.key }}
+{{- if has $id $own }}
+{{- fail (printf "%s[%d]: %s %q is the chart's own; choose another" $.value $i $.key $id) }}
+{{- end }}
+{{- if has $id $seen }}
+{{- fail (printf "%s[%d]: %s %q is given twice" $.value $i $.key $id) }}
+{{- end }}
+{{- $seen = append $seen $id }}
+{{- end }}
+{{- with .extra }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Every extra volume mount names a volume of the pod: include "bcd.checkMounts" (dict "own"
+<the chart's volumes as YAML> "extra" <extraVolumes> "mounts" <extraVolumeMounts> "value"
+"operator.extraVolumeMounts").
+*/}}
+{{- define "bcd.checkMounts" -}}
+{{- $names := list }}
+{{- range (concat (.own | fromYamlArray) (.extra | default list)) }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- range $i, $mount := .mounts }}
+{{- if not (has $mount.name $names) }}
+{{- fail (printf "%s[%d]: no volume named %q in the pod (add it to the extraVolumes beside it)" $.value $i $mount.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A component's topologySpreadConstraints, each without a labelSelector given the component's
+pod labels: include "bcd.topologySpread" (list . "operator" <constraints>).
+*/}}
+{{- define "bcd.topologySpread" -}}
+{{- $root := index . 0 }}
+{{- $component := index . 1 }}
+{{- $constraints := list }}
+{{- range (index . 2) }}
+{{- $constraint := deepCopy . }}
+{{- if not (hasKey $constraint "labelSelector") }}
+{{- $labels := include "bcd.selectorLabels" (list $root $component) | fromYaml }}
+{{- $_ := set $constraint "labelSelector" (dict "matchLabels" $labels) }}
+{{- end }}
+{{- $constraints = append $constraints $constraint }}
+{{- end }}
+{{- toYaml $constraints }}
+{{- end }}
+
+{{/* The database as host and parts (database.host), instead of a URL. */}}
+{{- define "bcd.databaseByParts" -}}
+{{- if (.Values.database | default dict).host }}true{{ end }}
 {{- end }}
