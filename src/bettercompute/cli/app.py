@@ -920,6 +920,40 @@ def dev(
             output.note("Stopped.")
 
 
+# --- mcp -----------------------------------------------------------------------------------
+
+
+@app.command(
+    "mcp",
+    help=(
+        "Serve the reservations to an AI agent as MCP tools on stdin/stdout: reserve_gpus,"
+        " get_reservation, list_reservations, extend_reservation, release_reservation and"
+        " find_capacity.\n\n"
+        "An MCP client (Claude Desktop, an IDE) starts it and talks to it; it calls the server"
+        " with this token, for this tenant. Needs the 'mcp' extra."
+    ),
+    epilog=_examples(
+        "better-compute mcp",
+        "BETTER_COMPUTE_URL=https://compute.example.com BETTER_COMPUTE_TOKEN=… better-compute mcp",
+    ),
+)
+def mcp_command(
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+) -> None:
+    """Serve the reservations to an AI agent as MCP tools on stdin/stdout."""
+    with _reporting(None):
+        # Imported here, not at the top: every other command must work without the MCP SDK
+        # (the 'mcp' extra).
+        with extras.needs("mcp", program="better-compute mcp"):
+            from bettercompute.mcp import server as mcp_server
+        found = _settings(url=url, token=token, tenant=tenant, out=None)
+        # The server is told where and as whom; the tools reach it through this one client.
+        with _client(found, timeout_s=SERVER_WAIT_CAP_S + ANSWER_GRACE_S) as api:
+            mcp_server.serve(api, refusal=client.Failure, tenant=found.tenant)
+
+
 # --- entry point ---------------------------------------------------------------------------
 
 
