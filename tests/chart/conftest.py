@@ -59,6 +59,7 @@ def full() -> dict[str, Any]:
         "image": {
             "repository": "registry.example/bcd/better-compute",
             "digest": "sha256:" + "ab" * 32,
+            "nodeDigest": "sha256:" + "cd" * 32,
             "pullPolicy": "Always",
         },
         "imagePullSecrets": [{"name": "registry"}],

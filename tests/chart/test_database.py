@@ -81,9 +81,9 @@ def test_by_host_there_is_no_url_and_no_secret_of_the_charts(render: Callable):
         "PGPASSWORD": {"secretKeyRef": {"name": "bcd-db", "key": "password"}},
         "PGSSLMODE": "verify-full",
     }
-    assert [s["metadata"]["name"] for s in rendered.of("Secret")] == [
-        "bc-better-compute-webhook-tls"
-    ]
+    # No Secret of the chart's at all: not the database's, and the webhook certificate's is
+    # the operator's to make.
+    assert [s["metadata"]["name"] for s in rendered.of("Secret")] == []
     assert "create secret generic bcd-db --from-literal=password='PASSWORD'" in rendered.notes
     assert "bc-better-compute-database" not in rendered.notes
 

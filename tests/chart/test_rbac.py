@@ -42,6 +42,8 @@ OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
 CRD_UPGRADE = "bc-better-compute-crd-upgrade"
 NODE_CA = "bc-node-ca"
+WEBHOOK_SECRET = "bc-better-compute-webhook-tls"
+CONFIGURATIONS = ("bc-better-compute",)
 #: Our CRDs by name, the only ones the CRD upgrade hook may touch.
 BCD_CRDS = tuple(
     sorted(
@@ -50,6 +52,18 @@ BCD_CRDS = tuple(
     )
 )
 PODS = Ref(group="", version="v1", plural="pods", namespaced=True)
+MUTATING = Ref(
+    group="admissionregistration.k8s.io",
+    version="v1",
+    plural="mutatingwebhookconfigurations",
+    namespaced=False,
+)
+VALIDATING = Ref(
+    group="admissionregistration.k8s.io",
+    version="v1",
+    plural="validatingwebhookconfigurations",
+    namespaced=False,
+)
 
 # (kind, apiGroup, resource, resourceNames, verbs, who needs it)
 EXPECTED = [
@@ -125,7 +139,26 @@ EXPECTED = [
     # --- the operator, in its namespace
     ("Role", OPERATOR, "bcd.dev", "deviceallocations", None, "create patch delete", "allocating"),
     ("Role", OPERATOR, "", "secrets", (NODE_CA,), "get", "nodeca: the node-report CA"),
-    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca: first start makes the CA"),
+    ("Role", OPERATOR, "", "secrets", None, "create", "nodeca, webhookcerts: first start"),
+    ("Role", OPERATOR, "", "secrets", (WEBHOOK_SECRET,), "get update", "webhookcerts"),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        CONFIGURATIONS,
+        "get update",
+        "webhookcerts: caBundle",
+    ),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "admissionregistration.k8s.io",
+        "validatingwebhookconfigurations",
+        CONFIGURATIONS,
+        "get update",
+        "webhookcerts: caBundle",
+    ),
     # --- the device plugin, everywhere (one GPUNode and one Node: its own)
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes", None, "get create patch", "publishing"),
     ("ClusterRole", DEVICE_PLUGIN, "bcd.dev", "gpunodes/status", None, "patch", "publishing"),
@@ -177,6 +210,9 @@ NOT_EXERCISED = {
         # Checked by the API server itself when the operator writes /approval and /status.
         ("signers", "approve"),
         ("signers", "sign"),
+        # Renewing the webhook certificate, months after it was made (a moved clock renews it
+        # in tests/operator/test_webhook_certificates.py).
+        ("secrets", "update"),
     },
     DEVICE_PLUGIN: {
         # With labels that differ from an existing GPUNode's, the agent merges them in. (It
@@ -227,11 +263,22 @@ def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
             # Only the operator's node-report CA, in its own namespace: read that one Secret,
             # create it (a create cannot name its object in RBAC).
             assert (kind, name) == ("Role", OPERATOR)
-            assert (names, verb) in (((NODE_CA,), "get"), (None, "create"))
+            allowed = (
+                ((NODE_CA,), "get"),
+                (None, "create"),
+                ((WEBHOOK_SECRET,), "get"),
+                ((WEBHOOK_SECRET,), "update"),
+            )
+            assert (names, verb) in allowed
 
 
 def test_a_provided_node_ca_grants_only_reading_it(render: Any) -> None:
-    rendered = render({"operator": {"nodeCA": {"existingSecret": "platform-node-ca"}}})
+    rendered = render(
+        {
+            "operator": {"nodeCA": {"existingSecret": "platform-node-ca"}},
+            "webhook": {"operatorManaged": False},  # the webhook certificate is Helm's here
+        }
+    )
     secrets = {
         (kind, name, names, verb)
         for kind, name, _, resource, names, verb in _granted(rendered)
@@ -265,7 +312,10 @@ def test_node_certificates_off_grants_nothing_for_them(render):
 
 
 def test_with_cert_manager_the_operator_never_creates_the_ca(render):
-    values = {"nodeCertificates": {"certManager": {"enabled": True, "issuerRef": {"name": "root"}}}}
+    values = {
+        "nodeCertificates": {"certManager": {"enabled": True, "issuerRef": {"name": "root"}}},
+        "webhook": {"operatorManaged": False},
+    }
     rendered = render(values)
     secrets = {(verb, names) for _, _, _, r, names, verb in _granted(rendered) if r == "secrets"}
     assert secrets == {("get", (NODE_CA,))}
@@ -387,9 +437,14 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         api_server=kube_api.url,
         api_token="operator-token",
         allocation_resync_s=3600.0,
-        # As the chart sets them (BCD_NODE_AGENT_SERVICE_ACCOUNT, BCD_NODE_CA_SECRET).
+        # As the chart sets them (BCD_NODE_AGENT_SERVICE_ACCOUNT, BCD_NODE_CA_SECRET,
+        # BCD_WEBHOOK_SECRET, BCD_WEBHOOK_CONFIGURATIONS).
         node_agent_service_account=DEVICE_PLUGIN,
         node_ca_secret=NODE_CA,
+        webhook_secret=WEBHOOK_SECRET,
+        webhook_configurations=CONFIGURATIONS,
+        webhook_extra_names=("127.0.0.1",),  # the stand-in calls the webhooks there
+        webhook_check_s=0.2,
     )
     # The device plugin's pod token, bound to its node: it enrols for a node certificate.
     kube_api.tokens["plugin-token"] = {
@@ -532,9 +587,17 @@ async def _pod_admitted(
         hooks = [w for w in configuration["webhooks"] if w["name"].endswith(".pods.bcd.dev")]
         service = hooks[0]["clientConfig"]["service"]
         kube.emulator.webhook_services[(service["namespace"], service["name"])] = (
-            f"http://127.0.0.1:{port}"
+            f"https://127.0.0.1:{port}"
         )
         await kube.create({**configuration, "webhooks": hooks})
+    # The operator keeps its own certificate: it writes its CA into the configurations.
+    for ref in (MUTATING, VALIDATING):
+        await kube.wait_for(
+            ref,
+            None,
+            CONFIGURATIONS[0],
+            lambda o: all(w["clientConfig"].get("caBundle") for w in (o or {}).get("webhooks", [])),
+        )
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",

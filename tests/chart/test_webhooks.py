@@ -91,7 +91,37 @@ def _b64_pem(data: str) -> bytes:
     return base64.b64decode(data)
 
 
-def test_the_generated_certificate_is_signed_by_the_ca_bundle(defaults: rendering.Rendered):
+HELM_MADE = {"webhook": {"operatorManaged": False}}
+
+
+def test_by_default_the_operator_keeps_the_certificate(defaults: rendering.Rendered):
+    # No certificate of Helm's: no Secret, no mount, no caBundle; the operator is told where
+    # to keep its own, for which Service, and which configurations to write its CA into.
+    assert [s for s in defaults.of("Secret") if s["metadata"]["name"] == SECRET] == []
+    template = defaults.one("StatefulSet")["spec"]["template"]
+    assert "checksum/webhook-tls" not in (template["metadata"].get("annotations") or {})
+    assert all(v["name"] != "webhook-tls" for v in template["spec"]["volumes"])
+    env = rendering.env_of(next(rendering.containers(defaults.one("StatefulSet"))))
+    assert env["BCD_WEBHOOK_SECRET"] == SECRET
+    assert env["BCD_WEBHOOK_SERVICE"] == HOST.split(".")[0]
+    assert "BCD_WEBHOOK_CERT" not in env
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        configuration = defaults.one(kind)
+        assert env["BCD_WEBHOOK_CONFIGURATIONS"] == configuration["metadata"]["name"]
+        assert all("caBundle" not in w["clientConfig"] for w in configuration["webhooks"])
+    # The names the operator's certificate is for are the ones the API server calls.
+    from bettercompute.operator.config import OperatorConfig
+
+    config = OperatorConfig(
+        database_url="",
+        namespace=rendering.NAMESPACE,
+        webhook_service=env["BCD_WEBHOOK_SERVICE"],
+    )
+    assert HOST in config.webhook_names
+
+
+def test_the_generated_certificate_is_signed_by_the_ca_bundle(render):
+    defaults = render(HELM_MADE)
     secret = defaults.one("Secret", SECRET)
     assert secret["type"] == "kubernetes.io/tls"
     ca = x509.load_pem_x509_certificate(_b64_pem(secret["data"]["ca.crt"]))
@@ -112,9 +142,8 @@ def test_the_generated_certificate_is_signed_by_the_ca_bundle(defaults: renderin
     assert 363 <= days <= 365
 
 
-def test_the_pods_mount_the_certificate_and_roll_when_it_changes(
-    defaults: rendering.Rendered, render
-):
+def test_the_pods_mount_the_certificate_and_roll_when_it_changes(render):
+    defaults = render(HELM_MADE)
     secret = defaults.one("Secret", SECRET)
     template = defaults.one("StatefulSet")["spec"]["template"]
     checksum = template["metadata"]["annotations"]["checksum/webhook-tls"]
@@ -122,7 +151,7 @@ def test_the_pods_mount_the_certificate_and_roll_when_it_changes(
     (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "webhook-tls"]
     assert volume["secret"]["secretName"] == SECRET
     # An upgrade that makes a new certificate (nothing to reuse offline) rolls the pods.
-    again = render({}, upgrade=True).one("StatefulSet")["spec"]["template"]
+    again = render(HELM_MADE, upgrade=True).one("StatefulSet")["spec"]["template"]
     assert again["metadata"]["annotations"]["checksum/webhook-tls"] != checksum
 
 

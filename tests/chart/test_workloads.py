@@ -215,15 +215,17 @@ def test_the_operator_command_reads_what_the_chart_gives(
     assert params["http_port"] == ports["http"]
     assert params["webhook_port"] == ports["webhook"]
     assert _resolve(everything, rendering.env_of(container)["POD_ID"]) == POD["name"]
-    # The webhook certificate and key are files of the mounted Secret.
-    for path in (params["webhook_cert"], params["webhook_key"]):
-        mount = _inside(path, container)
-        secret = _volume(pod, mount["name"])["secret"]
-        assert (
-            secret["secretName"]
-            == everything.one("Secret", "bc-better-compute-webhook-tls")["metadata"]["name"]
-        )
-        assert path.name in {item["path"] for item in secret["items"]}
+    # The webhook certificate is the operator's own: where it keeps it, for which Service and
+    # which configurations, as the command reads them; no files of Helm's.
+    assert (params["webhook_cert"], params["webhook_key"]) == (None, None)
+    assert params["webhook_secret"] == "bc-better-compute-webhook-tls"
+    assert (
+        params["webhook_service"]
+        == everything.one("Service", "bc-better-compute")["metadata"]["name"]
+    )
+    assert params["webhook_configurations"] == [
+        everything.one("MutatingWebhookConfiguration")["metadata"]["name"]
+    ]
     # The policy files are the ConfigMap's keys, and they load in the real engine.
     (config_map,) = [
         c for c in everything.of("ConfigMap") if c["metadata"]["name"].endswith("policies")
@@ -298,14 +300,20 @@ def test_an_existing_database_secret_is_read_by_name_and_key(render):
     assert rendering.env_of(container)["DATABASE_URL"] == {
         "secretKeyRef": {"name": "pg", "key": "dsn"}
     }
-    assert [s["metadata"]["name"] for s in rendered.of("Secret")] == [
-        "bc-better-compute-webhook-tls"
-    ]
+    assert [s["metadata"]["name"] for s in rendered.of("Secret")] == []  # none of the chart's
 
 
-def test_the_image_is_the_digest_when_given(defaults, everything):
-    for workload in _workloads(defaults):
-        assert rendering.pod_spec(workload)["containers"][0]["image"] == "better-compute:0.1.0"
-    for workload in _workloads(everything):
-        image = rendering.pod_spec(workload)["containers"][0]["image"]
-        assert image == "registry.example/bcd/better-compute@sha256:" + "ab" * 32
+def _image(rendered: rendering.Rendered, kind: str) -> str:
+    return str(rendering.pod_spec(rendered.one(kind))["containers"][0]["image"])
+
+
+def test_each_workload_runs_its_own_image_pinned_by_digest_when_given(defaults, everything, render):
+    # The operator's image (Dockerfile target operator) and the slim node agent's (node-agent).
+    assert _image(defaults, "StatefulSet") == "better-compute:0.1.0"
+    assert _image(defaults, "DaemonSet") == "better-compute-node:0.1.0"
+    repository = "registry.example/bcd/better-compute"
+    assert _image(everything, "StatefulSet") == f"{repository}@sha256:" + "ab" * 32
+    assert _image(everything, "DaemonSet") == f"{repository}-node@sha256:" + "cd" * 32
+    named = render({"image": {"nodeRepository": "mirror.example/bcd-node", "tag": "1.2.3"}})
+    assert _image(named, "DaemonSet") == "mirror.example/bcd-node:1.2.3"
+    assert _image(named, "StatefulSet") == "better-compute:1.2.3"

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CHART = ROOT / "charts" / "better-compute"
 IMAGE = "better-compute:e2e"
+#: The Dockerfile's node-agent target, named as the chart expects: <repository>-node.
+NODE_IMAGE = "better-compute-node:e2e"
 POSTGRES_IMAGE = "postgres:17-alpine"
 KIND_AT_LEAST = (0, 27)
 RELEASE = "bc"
@@ -179,6 +181,18 @@ def kind_cluster(workdir: Path) -> Iterator[Cluster]:
     """Build the image, create the cluster, load the images, start PostgreSQL; delete the
     cluster afterwards unless BCD_E2E_KEEP=1."""
     run("docker", "build", "-t", IMAGE, "--build-arg", "VERSION=e2e", str(ROOT), timeout=1800)
+    run(
+        "docker",
+        "build",
+        "--target",
+        "node-agent",
+        "-t",
+        NODE_IMAGE,
+        "--build-arg",
+        "VERSION=e2e",
+        str(ROOT),
+        timeout=1800,
+    )
     try:
         run("docker", "image", "inspect", POSTGRES_IMAGE)
     except ClusterError:
@@ -200,7 +214,7 @@ def kind_cluster(workdir: Path) -> Iterator[Cluster]:
         timeout=900,
     )
     try:
-        for image in (IMAGE, POSTGRES_IMAGE):
+        for image in (IMAGE, NODE_IMAGE, POSTGRES_IMAGE):
             run("kind", "load", "docker-image", image, "--name", name, timeout=600)
         cluster = Cluster(name=name, kubeconfig=kubeconfig)
         cluster.apply(HERE / "postgres.yaml")

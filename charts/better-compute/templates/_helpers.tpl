@@ -51,6 +51,17 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- end }}
 
+{{- /* The node agent's image: the Dockerfile's node-agent target, without the server's
+dependencies; image.nodeRepository, else <image.repository>-node, at the same tag. */ -}}
+{{- define "bcd.nodeImage" -}}
+{{- $repository := .Values.image.nodeRepository | default (printf "%s-node" .Values.image.repository) }}
+{{- if .Values.image.nodeDigest }}
+{{- printf "%s@%s" $repository .Values.image.nodeDigest }}
+{{- else }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
 {{- define "bcd.operatorName" -}}
 {{- printf "%s-operator" (include "bcd.fullname" .) }}
 {{- end }}
@@ -68,6 +79,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{/* The Service in front of the operator: HTTP API and webhooks. */}}
 {{- define "bcd.serviceName" -}}
 {{- include "bcd.fullname" . }}
+{{- end }}
+
+{{- /* "true" when the operator makes, keeps and renews the webhook certificate itself
+(webhook.operatorManaged, and no cert-manager). */ -}}
+{{- define "bcd.webhookByOperator" -}}
+{{- if and .Values.webhook.operatorManaged (not .Values.webhook.certManager.enabled) }}true{{ end }}
 {{- end }}
 
 {{- define "bcd.webhookSecretName" -}}

@@ -45,8 +45,9 @@ class OperatorConfig:
     webhook_extra_names: tuple[str, ...] = ()
     #: The Mutating- and ValidatingWebhookConfigurations whose caBundle it keeps current.
     webhook_configurations: tuple[str, ...] = ()
-    #: How often the Secret is read again (a renewal due, or another replica's).
-    webhook_check_s: float = 3600.0
+    #: How often the Secret is read again (a renewal due, another replica's, or the Secret
+    #: deleted and made again): one GET a minute keeps replicas within a minute of each other.
+    webhook_check_s: float = 60.0
 
     @property
     def webhook_names(self) -> tuple[str, ...]:
