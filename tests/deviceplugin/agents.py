@@ -76,6 +76,9 @@ def agent_config(*, kube: KubeApi | None, node: Node, **overrides: Any) -> Agent
         "pass_seconds": 0.05,
         "inventory_interval_s": 0.02,
         "register_poll_seconds": 0.05,
+        # Never the machine's own /etc/cdi: a GPU machine's real NVIDIA spec names GPU 0 by
+        # index, which the simulated GPU-0 would match.
+        "nvidia_cdi_dirs": (node.root / "nvidia-cdi",),
     }
     settings.update(overrides)
     return AgentConfig(**settings)

@@ -21,6 +21,7 @@ from bettercompute.deviceplugin.inventory import (
     FileInventory,
     Gpu,
     Inventory,
+    InventorySource,
     MigDevice,
     write_inventory_file,
 )
@@ -201,11 +202,17 @@ class Node:
         cgroups = Cgroups(self.cgroup_root, records=self.slice_records)
         return cgroups if cgroups.enforcement_problem() is None else None
 
-    def make_plugin(self, *, pass_seconds: float = 0.05) -> NodePlugin:
+    def file_source(self) -> FileInventory:
+        return FileInventory(path=self.inventory_file, node_name=NODE)
+
+    def make_plugin(
+        self, *, pass_seconds: float = 0.05, inventory_source: InventorySource | None = None
+    ) -> NodePlugin:
+        """The node plugin over the inventory file (or ``inventory_source``, a wrapper of it)."""
         self.registry = CollectorRegistry()  # a fresh one: a second plugin registers anew
         return NodePlugin(
             node_name=NODE,
-            inventory_source=FileInventory(path=self.inventory_file, node_name=NODE),
+            inventory_source=inventory_source or self.file_source(),
             desired=self.desired,
             reporter=self.reporter,
             key=self.key,

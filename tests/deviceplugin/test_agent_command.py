@@ -46,6 +46,13 @@ def test_without_a_node_name_it_says_how_to_give_one():
     assert result.stderr == "Error: no node name: give --node-name or set NODE_NAME\n"
 
 
+def test_a_bad_xid_list_is_a_usage_error_naming_the_flag():
+    result = CliRunner().invoke(cli, ["--node-name", NODE, "--skip-xids", "48,seventy-nine"])
+    assert result.exit_code == 2
+    assert "--skip-xids" in result.stderr
+    assert "'seventy-nine' is not an XID number" in result.stderr
+
+
 @dataclass
 class Process:
     """The agent in a child process, its stderr read line by line as it comes."""
@@ -152,6 +159,8 @@ async def test_a_whole_run_from_the_environment_then_sigterm(kube_api: KubeApi, 
         "BCD_METRICS_HOST": "127.0.0.1",
         "BCD_METRICS_PORT": str(port),
         "BCD_NODE_LABELS": "bcd.dev/pool=h100",
+        "BCD_NVIDIA_CDI_DIRS": ",".join(str(d) for d in config.nvidia_cdi_dirs),
+        "BCD_SKIP_XIDS": "48, 79",
         "KUBECONFIG": str(kube_api.kubeconfig),
     }
     async with agent_process(env=env) as agent:
@@ -192,4 +201,5 @@ def _flags(config) -> list[str]:
         "--node-key", str(config.node_key),
         "--metrics-host", "127.0.0.1",
         "--metrics-port", str(free_port()),
+        "--nvidia-cdi-dirs", ",".join(str(d) for d in config.nvidia_cdi_dirs),
     ]  # fmt: skip

@@ -115,6 +115,23 @@ def test_mig_devices_are_parsed_with_their_parent(tmp_path: Path) -> None:
     assert read.gpus[0].numa_node is None
 
 
+def test_a_mig_instances_nvml_index_is_kept_when_known(tmp_path: Path) -> None:
+    # NVIDIA's CDI specs name MIG instances "<gpu index>:<this index>" (nvidiacdi).
+    mig = (
+        inventory.MigDevice(uuid="MIG-1", profile="3g.40gb", parent_uuid="GPU-0000", index=2),
+        inventory.MigDevice(uuid="MIG-2", profile="3g.40gb", parent_uuid="GPU-0000"),
+    )
+    original = inventory.Inventory(node_name="n", gpus=(gpu(0, mig=mig),))
+    path = tmp_path / "node.yaml"
+    inventory.write_inventory_file(path=path, inventory=original)
+
+    assert inventory.FileInventory(path=path, node_name="n").read() == original
+    assert yaml.safe_load(path.read_text())["gpus"][0]["mig"] == [
+        {"uuid": "MIG-1", "profile": "3g.40gb", "index": 2},
+        {"uuid": "MIG-2", "profile": "3g.40gb"},
+    ]
+
+
 def _break(document: dict[str, Any], how: str) -> None:
     gpus = document["gpus"]
     if how == "unknown key":

@@ -51,6 +51,12 @@ def _gpupool_problem(spec: dict[str, Any]) -> tuple[str, str]:
             "Input should be 'exclusive', 'mig', 'timeslice' or 'mps' (got 'shared')",
         ),
         (
+            {"sharing": "mps"},
+            {"sharing": {"mode": "mps", "replicas": 4}},
+            ("pools[0].sharing", "spec.sharing.mode"),
+            f"{pools.MPS_REFUSED} (got 'mps')",
+        ),
+        (
             {"replicas": 4},
             {"sharing": {"mode": "exclusive", "replicas": 4}},
             ("pools[0].replicas", "spec.sharing.replicas"),
@@ -108,7 +114,7 @@ def test_a_gpupool_becomes_the_pool_and_its_offers():
         {
             "region": "eu-west-1",
             "model": "H100",
-            "sharing": {"mode": "mps", "replicas": 4},
+            "sharing": {"mode": "timeslice", "replicas": 4},
             "policy": {"kubernetes": True, "maxPending": "1h"},
             "owner": {"tenant": "acme"},
             "offers": [{"tenant": "globex", "onBudgetExceeded": "drain"}],
@@ -121,7 +127,7 @@ def test_a_gpupool_becomes_the_pool_and_its_offers():
         owner="acme",
         region="eu-west-1",
         model="H100",
-        sharing="mps",
+        sharing="timeslice",
         replicas=4,
         policy=pools.PoolPolicy(kubernetes=True, maxPending="1h"),
     )

@@ -49,7 +49,24 @@ QuotaResource = Annotated[
     Field(pattern=r"^((gpu|gpuSlices):[A-Za-z0-9][\w.-]*|vcpu|memoryGiB|hugepages1Gi)$"),
 ]
 QuotaLimit = Annotated[int, Field(ge=0, le=2**62)]
-SharingMode = Literal["exclusive", "mig", "timeslice", "mps"]
+#: Why a pool may not share its GPUs by MPS yet (docs/nvidia.md). The mode stays in the model
+#: and the CRD only to be refused with this message: a node would hand out an 'mps' slot as a
+#: plain time slice, since nothing starts the MPS control daemon or gives a slot its limits
+#: (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), and a node cannot
+#: tell an allocation's sharing mode or replicas from its DeviceAllocation.
+MPS_REFUSED = (
+    "'mps' is not available yet: bcd nodes do not run the MPS control daemon or give a slot its "
+    "MPS limits, so an 'mps' slot would only be a time slice; use 'timeslice' (docs/nvidia.md)"
+)
+
+
+def _not_mps(mode: str) -> str:
+    if mode == "mps":
+        raise ValueError(MPS_REFUSED)
+    return mode
+
+
+SharingMode = Annotated[Literal["exclusive", "mig", "timeslice", "mps"], AfterValidator(_not_mps)]
 OnBudgetExceeded = Literal["allow", "stop-new", "drain"]
 SLOT_SHARING = ("timeslice", "mps")
 

@@ -3,7 +3,9 @@
 Why it exists: it is the composition root of the node side. ``started`` wires, in order:
 
 1. the inventory (a simulated file, else NVML), read once so a bad file stops the start with a
-   one-line error instead of a retry loop nobody reads;
+   one-line error instead of a retry loop nobody reads; around it, the critical-XID watcher
+   (``health``: NVML's events, in a thread the agent stops on its way out) and the look-up of
+   NVIDIA's CDI devices (``nvidiacdi``) in ``--nvidia-cdi-dirs``;
 2. the node key (created on first start), the API credentials, and whether the node can
    enforce host limits in cgroup v2 slices: only then does it advertise ``devices.limits``,
    and otherwise it logs why and says so in the GPUNode's ``HostLimitsEnforced`` condition;
@@ -43,10 +45,24 @@ from lightkube.config.kubeconfig import KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from bettercompute import logformat, supervising
-from bettercompute.deviceplugin import cgroups, converging, enrolling, registering, serving
+from bettercompute.deviceplugin import (
+    cgroups,
+    converging,
+    enrolling,
+    health,
+    nvidiacdi,
+    registering,
+    serving,
+)
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
 from bettercompute.deviceplugin.foreign import ForeignExposure
+from bettercompute.deviceplugin.health import (
+    HealthChecked,
+    NvmlXidEvents,
+    XidEventSource,
+    XidHealth,
+)
 from bettercompute.deviceplugin.inventory import (
     FileInventory,
     InventoryError,
@@ -116,6 +132,14 @@ class AgentConfig:
     kubeconfig: Path | None = None
     heartbeat_s: float = HEARTBEAT_SECONDS
     inventory_interval_s: float = 5.0
+    #: Where NVIDIA's CDI specs are looked for; empty: not looked for (env-only).
+    nvidia_cdi_dirs: tuple[Path, ...] = nvidiacdi.DEFAULT_DIRS
+    #: Watch NVML's critical XID events (an NVML inventory only, unless events are given).
+    xid_health: bool = True
+    #: XIDs to ignore besides the application faults NVIDIA's plugin ignores.
+    skip_xids: frozenset[int] = frozenset()
+    #: How long a GPU an XID marked must read well, with no new XID, to be healthy again.
+    health_recovery_s: float = health.RECOVERY_SECONDS
     pass_seconds: float = converging.PASS_SECONDS
     register_poll_seconds: float = registering.POLL_SECONDS
 
@@ -166,10 +190,35 @@ class Agent:
         return None
 
 
-def inventory_source(config: AgentConfig) -> InventorySource:
+def inventory_source(config: AgentConfig, *, xid: XidHealth | None = None) -> InventorySource:
+    """The simulated file or NVML, judged by ``xid``'s events too when given, with NVIDIA's CDI
+    devices looked up when ``nvidia_cdi_dirs`` names folders."""
+    source: InventorySource
     if config.inventory_file is not None:
-        return FileInventory(path=config.inventory_file, node_name=config.node_name)
-    return NvmlInventory(node_name=config.node_name)
+        source = FileInventory(path=config.inventory_file, node_name=config.node_name)
+    else:
+        source = NvmlInventory(node_name=config.node_name)
+    if xid is not None:
+        source = HealthChecked(source, xid)
+    if config.nvidia_cdi_dirs:
+        source = nvidiacdi.WithNvidiaCdi(source, dirs=config.nvidia_cdi_dirs)
+    return source
+
+
+def xid_health(config: AgentConfig, events: XidEventSource | None = None) -> XidHealth | None:
+    """The critical-XID watcher: over ``events`` when given, else over NVML's for an NVML
+    inventory; none for a simulated inventory (no driver to ask) or with ``xid_health`` off."""
+    if not config.xid_health:
+        return None
+    if events is None:
+        if config.inventory_file is not None:
+            return None
+        events = NvmlXidEvents()
+    return XidHealth(
+        events,
+        skip=health.SKIPPED_XIDS | config.skip_xids,
+        recovery_s=config.health_recovery_s,
+    )
 
 
 def _credentials(config: AgentConfig) -> tuple[KubeConfig, str]:
@@ -182,14 +231,18 @@ def _credentials(config: AgentConfig) -> tuple[KubeConfig, str]:
 
 
 @contextlib.asynccontextmanager
-async def started(config: AgentConfig) -> AsyncIterator[Agent]:
-    """The agent, running while the block runs; everything stops when it ends."""
+async def started(
+    config: AgentConfig, *, xid_events: XidEventSource | None = None
+) -> AsyncIterator[Agent]:
+    """The agent, running while the block runs; everything stops when it ends.
+    ``xid_events``: where critical XIDs come from (None: NVML's, for an NVML inventory)."""
     if not config.plugin_dir.is_dir():
         raise AgentError(
             f"no device-plugin folder {config.plugin_dir}: mount the kubelet's "
             "/var/lib/kubelet/device-plugins there, or give --plugin-dir"
         )
-    source = inventory_source(config)
+    xid = xid_health(config, xid_events)
+    source = inventory_source(config, xid=xid)
     try:
         inventory = await asyncio.to_thread(source.read)
     except InventoryError as e:
@@ -223,6 +276,10 @@ async def started(config: AgentConfig) -> AsyncIterator[Agent]:
         except CredentialsError as e:
             raise AgentError(f"{where}: {e}") from e
         stack.push_async_callback(client.close)
+        if xid is not None:
+            xid.start()
+            # Joining the thread takes up to one NVML wait: not on the event loop.
+            stack.push_async_callback(asyncio.to_thread, xid.stop)
         registry = CollectorRegistry()
 
         def current_certificate() -> str | None:
@@ -359,6 +416,15 @@ def _labels(text: str | None) -> dict[str, str] | None:
         raise typer.BadParameter(str(e), param_hint="--node-labels") from None
 
 
+def _xids(text: str) -> frozenset[int]:
+    xids = set()
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        if not entry.isdigit():
+            raise typer.BadParameter(f"{entry!r} is not an XID number", param_hint="--skip-xids")
+        xids.add(int(entry))
+    return frozenset(xids)
+
+
 @cli.command()
 def run(
     log_format: Annotated[
@@ -473,6 +539,34 @@ def run(
         float,
         typer.Option(envvar="BCD_HEARTBEAT_SECONDS", help="How often GPUNode status is rewritten."),
     ] = HEARTBEAT_SECONDS,
+    nvidia_cdi_dirs: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_NVIDIA_CDI_DIRS",
+            help="Folders holding NVIDIA's CDI specs (kind nvidia.com/gpu, from nvidia-ctk cdi "
+            "generate or the GPU operator), comma-separated. Where they name the GPUs, "
+            "Allocate asks for nvidia.com/gpu devices beside bcd.dev/gpu; empty: env-only.",
+        ),
+    ] = ",".join(str(d) for d in nvidiacdi.DEFAULT_DIRS),
+    skip_xids: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_SKIP_XIDS",
+            help="Critical XIDs (NVML events) to ignore, comma-separated, besides the "
+            "application faults NVIDIA's device plugin ignores (13, 31, 43, 45, 68, 109); "
+            "'all': do not watch XID events (health from NVML reads only). A GPU reporting "
+            "another is unhealthy until it has read well for --health-recovery-seconds.",
+        ),
+    ] = "",
+    health_recovery_seconds: Annotated[
+        float,
+        typer.Option(
+            envvar="BCD_HEALTH_RECOVERY_SECONDS",
+            min=0.0,
+            help="How long a GPU a critical XID made unhealthy must read well, with no new "
+            "XID, before it is healthy again.",
+        ),
+    ] = health.RECOVERY_SECONDS,
     api_server: Annotated[
         str | None,
         typer.Option(envvar="BCD_API_SERVER", help="Kubernetes API server URL (overrides all)."),
@@ -542,6 +636,10 @@ def run(
         metrics_port=metrics_port,
         node_labels=_labels(node_labels),
         heartbeat_s=heartbeat_seconds,
+        nvidia_cdi_dirs=tuple(Path(d.strip()) for d in nvidia_cdi_dirs.split(",") if d.strip()),
+        xid_health=skip_xids.strip() != "all",
+        skip_xids=frozenset() if skip_xids.strip() == "all" else _xids(skip_xids),
+        health_recovery_s=health_recovery_seconds,
         api_server=api_server,
         api_token=api_token,
         kubeconfig=kubeconfig,

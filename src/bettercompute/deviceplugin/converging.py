@@ -50,7 +50,10 @@ vanished allocation (its release time survives in the spec), and a device is nev
 twice because ``Allocations`` refuses a second owner.
 
 Health: ``follow_inventory`` feeds ``inventory.watch`` into ``Allocations``, so a device whose
-GPU turns unhealthy is advertised ``Unhealthy`` and ``Healthy`` again when it recovers.
+GPU turns unhealthy (a failed read, or a critical XID: ``health``) is advertised ``Unhealthy``
+and ``Healthy`` again when it recovers. The inventory also says which NVIDIA CDI device each GPU
+has (``nvidiacdi``): a bound allocation's files name them, and are written again when they
+change.
 
 What it must never do: talk to Kubernetes (only through the ports), write outside ``DeviceFiles``
 and ``Cgroups``, free devices a pod may still hold, run a hold with limits without its slice,
@@ -316,7 +319,7 @@ class Converger:
         problems = inventory_problems(inventory=self.allocations.inventory, allocation=allocation)
         # Bound before a restart with its files intact: adopted even if a GPU went missing
         # meanwhile; the device is then advertised Unhealthy rather than silently dropped.
-        already_written = await asyncio.to_thread(self.files.matches, allocation)
+        already_written = await asyncio.to_thread(self.files.describes, allocation)
         if problems and not already_written:
             await self._fail(allocation_id, allocation.reservation_id, "; ".join(problems), done)
             return
@@ -371,8 +374,7 @@ class Converger:
             await self._fail(allocation_id, allocation.reservation_id, str(e), done)
             return
         try:
-            if not already_written:
-                await asyncio.to_thread(self.files.write, allocation)
+            await self._write_files(allocation)
         except OSError as e:
             self.allocations.forget(allocation_id)
             await self._fail(
@@ -391,10 +393,11 @@ class Converger:
         its release had begun (the operator bound it again), report it if not yet reported."""
         allocation_id = allocation.allocation_id
         held.allocation = allocation  # same devices; only e.g. the end may have moved
-        if not await asyncio.to_thread(self.files.matches, allocation):
+        nvidia = self._nvidia_devices(allocation)
+        if not await asyncio.to_thread(self.files.matches, allocation, nvidia_devices=nvidia):
             with contextlib.suppress(CgroupError):  # the files say the slice; try next pass
                 await self._make_slice(allocation)
-            await asyncio.to_thread(self.files.write, allocation)
+            await asyncio.to_thread(self.files.write, allocation, nvidia_devices=nvidia)
             done.restored.append(allocation_id)
         elif (
             allocation.cgroup_parent is not None
@@ -409,6 +412,20 @@ class Converger:
             self.allocations.mark_bound(allocation_id)
             done.bound.append(allocation_id)
         await self._report(allocation_id, await self._bound_status(held))
+
+    def _nvidia_devices(self, allocation: Allocation) -> list[str]:
+        """NVIDIA's CDI devices for the allocation's GPUs, where the node's specs name them."""
+        inventory = self.allocations.inventory
+        if inventory is None:
+            return []
+        return inventory.nvidia_cdi.devices_for(allocation.visible_devices)
+
+    async def _write_files(self, allocation: Allocation) -> None:
+        """Write the allocation's files unless they already say what they should (NVIDIA's
+        devices included, which follow the node's NVIDIA specs)."""
+        nvidia = self._nvidia_devices(allocation)
+        if not await asyncio.to_thread(self.files.matches, allocation, nvidia_devices=nvidia):
+            await asyncio.to_thread(self.files.write, allocation, nvidia_devices=nvidia)
 
     async def _bound_status(self, held: Held) -> _Status:
         allocation = held.allocation
@@ -578,7 +595,12 @@ class Converger:
             self.allocations.start_release(allocation_id, since_ms=since)
             log.info("%s: release started, devices no longer advertised", allocation_id)
             with contextlib.suppress(OSError):  # only remembers since across a restart
-                await asyncio.to_thread(self.files.write, held.allocation, releasing_since_ms=since)
+                await asyncio.to_thread(
+                    self.files.write,
+                    held.allocation,
+                    releasing_since_ms=since,
+                    nvidia_devices=self._nvidia_devices(held.allocation),
+                )
         allocation = held.allocation
         since_ms = held.releasing_since_ms
         reason = ""

@@ -23,6 +23,13 @@ edits leave ``NVIDIA_VISIBLE_DEVICES`` out, because a container may take only so
 allocation's devices and spec-wide edits would expose all of them: the device plugin's Allocate
 answer sets it for exactly the container's devices.
 
+Where NVIDIA's CDI specs name the allocation's GPUs (``nvidiacdi``), bcd's spec refers to them
+instead of copying their edits: the annotation ``bcd.dev/nvidia-cdi-devices`` lists NVIDIA's
+fully qualified names (``nvidia.com/gpu=GPU-…``), and the env file's ``BCD_CDI_DEVICES`` lists
+every CDI device a workload manager should ask the runtime for (bcd's, then NVIDIA's). Allocate
+answers both for a ``kubernetes`` binding. Without NVIDIA specs the CDI spec is exactly the
+env-only one.
+
 What it must never do: write outside its directories, or leave a half-written file where a reader
 may see it. Allocation ids are checked against a strict pattern before they become file names,
 and every file is written to a temporary name in the same directory, then renamed over.
@@ -63,6 +70,7 @@ ANNOTATION_DEVICE_PLUGIN = "bcd.dev/device-plugin"
 ANNOTATION_RELEASING = "bcd.dev/releasing-since"
 ANNOTATION_LIMITS = "bcd.dev/limits"
 ANNOTATION_CGROUP_PARENT = "bcd.dev/cgroup-parent"
+ANNOTATION_NVIDIA_DEVICES = "bcd.dev/nvidia-cdi-devices"
 
 #: The kubelet's limit on a device id (the device-plugin proto's comment).
 MAX_DEVICE_ID = 63
@@ -253,21 +261,44 @@ class DeviceFiles:
     def env_path(self, allocation_id: str) -> Path:
         return self.env_dir / f"{check_allocation_id(allocation_id)}.env"
 
-    def write(self, allocation: Allocation, *, releasing_since_ms: int | None = None) -> None:
-        """Write (or rewrite) both files; each appears whole or not at all."""
-        spec = cdi_spec(allocation, releasing_since_ms=releasing_since_ms)
-        env = env_text(allocation)
+    def write(
+        self,
+        allocation: Allocation,
+        *,
+        releasing_since_ms: int | None = None,
+        nvidia_devices: Sequence[str] = (),
+    ) -> None:
+        """Write (or rewrite) both files; each appears whole or not at all. ``nvidia_devices``:
+        NVIDIA's CDI names for the allocation's GPUs (``nvidia.com/gpu=…``), if any."""
+        spec = cdi_spec(
+            allocation, releasing_since_ms=releasing_since_ms, nvidia_devices=nvidia_devices
+        )
+        env = env_text(allocation, nvidia_devices=nvidia_devices)
         _write_atomically(self.cdi_path(allocation.allocation_id), json.dumps(spec, indent=2))
         _write_atomically(self.env_path(allocation.allocation_id), env)
 
-    def matches(self, allocation: Allocation) -> bool:
+    def matches(self, allocation: Allocation, *, nvidia_devices: Sequence[str] = ()) -> bool:
         """Whether both files exist with exactly the content ``write`` would give them."""
         try:
             spec = json.loads(self.cdi_path(allocation.allocation_id).read_text())
             env = self.env_path(allocation.allocation_id).read_text()
         except (OSError, ValueError):
             return False
-        return spec == cdi_spec(allocation) and env == env_text(allocation)
+        return spec == cdi_spec(allocation, nvidia_devices=nvidia_devices) and env == env_text(
+            allocation, nvidia_devices=nvidia_devices
+        )
+
+    def describes(self, allocation: Allocation) -> bool:
+        """Whether the CDI spec on disk is ``allocation``'s, bound and not being released,
+        whatever NVIDIA devices it refers to (those follow the node's NVIDIA specs, not the
+        allocation): an allocation bound before a restart."""
+        try:
+            spec = json.loads(self.cdi_path(allocation.allocation_id).read_text())
+        except (OSError, ValueError):
+            return False
+        if isinstance(spec, dict) and isinstance(spec.get("annotations"), dict):
+            spec["annotations"].pop(ANNOTATION_NVIDIA_DEVICES, None)
+        return bool(spec == cdi_spec(allocation))
 
     def read(self, allocation_id: str) -> Written | None:
         """The allocation a CDI spec of ours describes, or None when there is no such file or
@@ -311,9 +342,15 @@ def check_allocation_id(allocation_id: str) -> str:
     return allocation_id
 
 
-def cdi_spec(allocation: Allocation, *, releasing_since_ms: int | None = None) -> dict[str, Any]:
+def cdi_spec(
+    allocation: Allocation,
+    *,
+    releasing_since_ms: int | None = None,
+    nvidia_devices: Sequence[str] = (),
+) -> dict[str, Any]:
     """The CDI spec of one allocation: one device per booked device id; the allocation's env
-    goes in the spec-wide edits, which apply whichever of its devices a container asks for."""
+    goes in the spec-wide edits, which apply whichever of its devices a container asks for.
+    NVIDIA's devices for its GPUs, when the node has them, are named in an annotation."""
     annotations = {
         ANNOTATION_ALLOCATION: allocation.allocation_id,
         ANNOTATION_RESERVATION: allocation.reservation_id,
@@ -336,6 +373,8 @@ def cdi_spec(allocation: Allocation, *, releasing_since_ms: int | None = None) -
         )
     if allocation.cgroup_parent is not None:
         annotations[ANNOTATION_CGROUP_PARENT] = allocation.cgroup_parent
+    if nvidia_devices:
+        annotations[ANNOTATION_NVIDIA_DEVICES] = ",".join(nvidia_devices)
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
@@ -384,8 +423,9 @@ def written_from_spec(spec: Any, *, allocation_id: str) -> Written | None:
         return None
 
 
-def env_text(allocation: Allocation) -> str:
-    """``KEY=value`` lines for the workload manager (systemd ``EnvironmentFile`` syntax)."""
+def env_text(allocation: Allocation, *, nvidia_devices: Sequence[str] = ()) -> str:
+    """``KEY=value`` lines for the workload manager (systemd ``EnvironmentFile`` syntax).
+    ``BCD_CDI_DEVICES``: every CDI device to ask the runtime for, bcd's then NVIDIA's."""
     values = {
         "BCD_ALLOCATION_ID": allocation.allocation_id,
         "BCD_RESERVATION_ID": allocation.reservation_id,
@@ -393,6 +433,7 @@ def env_text(allocation: Allocation) -> str:
         "BCD_DEVICE_CLASS": allocation.device_class,
         "BCD_UNTIL_MS": str(allocation.until_ms),
         "NVIDIA_VISIBLE_DEVICES": ",".join(allocation.visible_devices),
+        "BCD_CDI_DEVICES": ",".join([*allocation.cdi_devices, *nvidia_devices]),
     }
     if allocation.cgroup_parent is not None:
         values["BCD_CGROUP_PARENT"] = allocation.cgroup_parent

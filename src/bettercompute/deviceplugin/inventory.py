@@ -9,6 +9,12 @@ stand behind one small ``InventorySource`` protocol:
 - ``FileInventory`` reads a simulated inventory from a YAML or JSON file, for machines without
   a GPU (development, the simulator, tests).
 
+Two wrappers add what the driver alone does not say, each in its own module and each an
+``InventorySource`` around another: ``health.HealthChecked`` marks GPUs that reported a critical
+XID unhealthy (``Gpu.problem`` says why), and ``nvidiacdi.WithNvidiaCdi`` names each GPU's
+device in NVIDIA's CDI specs (``Inventory.nvidia_cdi``). Both are data here, so an inventory
+change of any kind travels the one path: ``watch`` → ``Allocations`` → kubelet and GPUNode.
+
 ``watch`` polls a source and yields each new inventory. Every failure of a source is an
 ``InventoryError`` naming what failed and why; this module never lets an ``NVMLError``, a
 ``yaml.YAMLError`` or a pydantic ``ValidationError`` escape, and never talks to Kubernetes.
@@ -44,6 +50,9 @@ class MigDevice:
     uuid: str
     profile: str  # e.g. "1g.10gb": GPU-instance slices and memory in GB
     parent_uuid: str
+    #: NVML's MIG device index on its GPU (``nvmlDeviceGetMigDeviceHandleByIndex``): NVIDIA's
+    #: CDI specs name the instance ``<gpu index>:<this>`` by index. None: not known.
+    index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +67,46 @@ class Gpu:
     nvlink_peers: tuple[str, ...] = ()
     healthy: bool = True
     mig: tuple[MigDevice, ...] = ()
+    #: Why the GPU is unhealthy, when that is known (an NVML error, a critical XID).
+    problem: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NvidiaCdi:
+    """The devices NVIDIA's CDI specs on the node give this node's GPUs (``nvidiacdi`` reads
+    them): whether Allocate can ask the runtime for NVIDIA's device beside bcd's."""
+
+    #: The folders that were searched; empty: nobody looked (a node without the option).
+    searched: tuple[str, ...] = ()
+    #: The spec files of kind ``nvidia.com/gpu`` found there.
+    files: tuple[str, ...] = ()
+    #: GPU or MIG UUID → NVIDIA's fully qualified device name (``nvidia.com/gpu=GPU-…``).
+    names: tuple[tuple[str, str], ...] = ()
+    #: GPUs and MIG instances of the inventory that no spec names (they go env-only).
+    missing: tuple[str, ...] = ()
+    #: Spec files that could not be read, each with the reason.
+    problems: tuple[str, ...] = ()
+
+    @property
+    def found(self) -> bool:
+        return bool(self.files)
+
+    @property
+    def complete(self) -> bool:
+        """Specs exist and name every GPU and MIG instance of the inventory."""
+        return self.found and not self.missing
+
+    def name_of(self, uuid: str) -> str | None:
+        for device, name in self.names:
+            if device == uuid:
+                return name
+        return None
+
+    def devices_for(self, uuids: Iterable[str]) -> list[str]:
+        """NVIDIA's names for these GPUs or MIG instances, once each, in order; a device no
+        spec names is left out (it gets the environment variable only)."""
+        named = dict(self.names)
+        return list(dict.fromkeys(named[u] for u in uuids if u in named))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +117,8 @@ class Inventory:
     memory_gib: int | None = None
     #: 1 GiB huge pages the host has reserved (``nr_hugepages`` of the 1 GiB size).
     hugepages_1gi: int | None = None
+    #: NVIDIA's CDI devices for the GPUs; the default: nobody looked, env-only.
+    nvidia_cdi: NvidiaCdi = NvidiaCdi()
     # Derived from ``gpus``, so neither compared nor hashed: domain id -> GPU UUIDs.
     nvlink_domains: Mapping[str, tuple[str, ...]] = dataclasses.field(
         init=False, compare=False, hash=False
@@ -127,6 +178,7 @@ class _FileModel(pydantic.BaseModel):
 class _MigEntry(_FileModel):
     uuid: str = pydantic.Field(min_length=1)
     profile: str = pydantic.Field(pattern=r"^[1-9][0-9]*g\.[0-9]+gb(\+[a-z0-9]+)?$")
+    index: int | None = pydantic.Field(default=None, ge=0)
 
 
 class _GpuEntry(_FileModel):
@@ -226,7 +278,9 @@ class FileInventory:
                     nvlink_peers=tuple(entry.nvlinkPeers),
                     healthy=entry.healthy,
                     mig=tuple(
-                        MigDevice(uuid=m.uuid, profile=m.profile, parent_uuid=entry.uuid)
+                        MigDevice(
+                            uuid=m.uuid, profile=m.profile, parent_uuid=entry.uuid, index=m.index
+                        )
                         for m in entry.mig
                     ),
                 )
@@ -253,7 +307,7 @@ def inventory_document(inventory: Inventory) -> dict[str, Any]:
                 "numaNode": gpu.numa_node,
                 "nvlinkPeers": list(gpu.nvlink_peers),
                 "healthy": gpu.healthy,
-                "mig": [{"uuid": m.uuid, "profile": m.profile} for m in gpu.mig],
+                "mig": [_mig_entry(m) for m in gpu.mig],
             }
             for gpu in inventory.gpus
         ]
@@ -265,6 +319,13 @@ def inventory_document(inventory: Inventory) -> dict[str, Any]:
     if inventory.hugepages_1gi is not None:
         document["hugepages1Gi"] = inventory.hugepages_1gi
     return document
+
+
+def _mig_entry(mig: MigDevice) -> dict[str, Any]:
+    entry: dict[str, Any] = {"uuid": mig.uuid, "profile": mig.profile}
+    if mig.index is not None:
+        entry["index"] = mig.index
+    return entry
 
 
 def write_inventory_file(*, path: Path, inventory: Inventory) -> None:
@@ -359,6 +420,7 @@ class _Probe:
     numa_node: int | None = None
     remote_bus_ids: list[str] = dataclasses.field(default_factory=list)
     healthy: bool = True
+    problem: str | None = None
     mig: list[MigDevice] = dataclasses.field(default_factory=list)
 
 
@@ -405,6 +467,7 @@ class NvmlInventory:
                     nvlink_peers=peers[probe.uuid],
                     healthy=probe.healthy,
                     mig=tuple(probe.mig),
+                    problem=probe.problem,
                 )
             )
         return Inventory(
@@ -433,6 +496,7 @@ class NvmlInventory:
         except nvml.NVMLError as e:
             log.warning("GPU %s (%s) answers NVML with an error: %s", index, probe.uuid, e)
             probe.healthy = False
+            probe.problem = f"NVML: {e}"
         return probe
 
     @staticmethod
@@ -484,6 +548,7 @@ class NvmlInventory:
                     uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
                     profile=f"{attributes.gpuInstanceSliceCount}g.{memory_gb}gb",
                     parent_uuid=parent_uuid,
+                    index=slot,
                 )
             )
         return devices

@@ -7,7 +7,11 @@ instances, the agent's capabilities, a heartbeat, the ``Ready`` condition and th
 ``HostLimitsEnforced`` condition: ``True`` when the node enforces host limits in cgroup v2 slices
 (and so advertises ``devices.limits``), else ``False`` with the reason in its message, and the
 ``ForeignGpuExposure`` condition: ``True`` while something besides bcd can hand the node's GPUs
-to pods (``foreign``, checked on each write), its message saying what.
+to pods (``foreign``, checked on each write), its message saying what; the ``GpusHealthy``
+condition, naming each unhealthy GPU and why (a failed NVML read, a critical XID: ``health``);
+and the ``NvidiaCdi`` condition, saying whether NVIDIA's CDI specs name every GPU (then the
+agent also advertises the ``cdi.nvidia`` capability and Allocate asks for NVIDIA's devices
+beside bcd's) or the node is env-only (``nvidiacdi``).
 
 - ``gpunode_status`` builds the status from an ``inventory.Inventory`` (a pure function).
 - ``NodePublisher.connect`` creates the object if it is missing (labels from ``--node-labels``,
@@ -42,7 +46,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bettercompute.deviceplugin.allocations import Allocations
 from bettercompute.deviceplugin.foreign import ForeignExposure
-from bettercompute.deviceplugin.inventory import Inventory
+from bettercompute.deviceplugin.inventory import Inventory, NvidiaCdi
+from bettercompute.deviceplugin.nvidiacdi import describe
 from bettercompute.deviceplugin.watching import Backoff
 from bettercompute.kube import names, nodes, resources
 from bettercompute.kube.client import KubeClient, KubeError
@@ -54,8 +59,12 @@ log = logging.getLogger(__name__)
 #: Advertised only by an agent that enforces host limits (``agent`` drops it otherwise).
 LIMITS_CAPABILITY = "devices.limits"
 CAPABILITIES = ("binding.kubernetes", LIMITS_CAPABILITY)
+#: Added by the inventory, not the configuration: NVIDIA's CDI specs name every GPU.
+NVIDIA_CDI_CAPABILITY = "cdi.nvidia"
 HEARTBEAT_SECONDS = 30.0
 LIMITS_CONDITION = "HostLimitsEnforced"
+HEALTH_CONDITION = "GpusHealthy"
+NVIDIA_CDI_CONDITION = "NvidiaCdi"
 STOP_TIMEOUT_SECONDS = 2.0
 
 
@@ -112,7 +121,10 @@ def gpunode_status(
             else None,
         ),
         gpus=len(inventory.gpus),
-        capabilities=list(capabilities),
+        capabilities=[
+            *capabilities,
+            *([NVIDIA_CDI_CAPABILITY] if inventory.nvidia_cdi.complete else []),
+        ],
         heartbeatTime=heartbeat,
         conditions=[
             nodes.Condition(
@@ -136,9 +148,41 @@ def gpunode_status(
                 message=foreign_exposure or "only bcd hands this node's GPUs to pods",
                 lastTransitionTime=ready_since,
             ),
+            _health_condition(inventory, since=ready_since),
+            _nvidia_cdi_condition(inventory.nvidia_cdi, since=ready_since),
         ],
     )
     return status.document()
+
+
+def _health_condition(inventory: Inventory, *, since: str) -> nodes.Condition:
+    sick = [gpu for gpu in inventory.gpus if not gpu.healthy]
+    return nodes.Condition(
+        type=HEALTH_CONDITION,
+        status="False" if sick else "True",
+        reason="Unhealthy" if sick else "AllHealthy",
+        message="; ".join(
+            f"GPU {gpu.index} ({gpu.uuid}): {gpu.problem or 'unhealthy'}" for gpu in sick
+        )
+        or "every GPU answers NVML and has reported no critical XID",
+        lastTransitionTime=since,
+    )
+
+
+def _nvidia_cdi_condition(cdi: NvidiaCdi, *, since: str) -> nodes.Condition:
+    if cdi.complete:
+        reason = "NvidiaSpecs"
+    elif cdi.found:
+        reason = "Incomplete"
+    else:
+        reason = "EnvOnly"
+    return nodes.Condition(
+        type=NVIDIA_CDI_CONDITION,
+        status="True" if cdi.complete else "False",
+        reason=reason,
+        message=describe(cdi),
+        lastTransitionTime=since,
+    )
 
 
 def parse_labels(text: str) -> dict[str, str]:

@@ -17,9 +17,12 @@ without a socket:
   are being handed back. The check is a dictionary lookup, far inside the kubelet's 30 s budget.
 - **ListAndWatch** sends the complete list at once, then again within milliseconds of every
   change that alters it (it waits on ``Allocations.wait_changed``).
-- **Allocate** answers ``cdi_devices`` (``bcd.dev/gpu=<id>``), the envs ``BCD_ALLOCATION_ID``,
+- **Allocate** answers ``cdi_devices`` (``bcd.dev/gpu=<id>``, then NVIDIA's device for each of
+  the container's GPUs or MIG instances where the node's NVIDIA CDI specs name one:
+  ``nvidia.com/gpu=GPU-…``, see ``nvidiacdi``), the envs ``BCD_ALLOCATION_ID``,
   ``BCD_RESERVATION_ID`` and ``NVIDIA_VISIBLE_DEVICES`` (exactly the container's GPUs or MIG
-  instances; a slot's physical GPU), and the same ids as container annotations. An id this node
+  instances; a slot's physical GPU: kept with CDI too, since it overrides the ``all`` a CUDA
+  image sets for the NVIDIA runtime), and the same ids as container annotations. An id this node
   does not hold bound for the resource is ``INVALID_ARGUMENT``; one whose allocation is being
   released is ``FAILED_PRECONDITION``; both name the ids.
 - **GetPreferredAllocation** keeps a request inside one allocation and one NVLink domain where
@@ -141,6 +144,8 @@ def allocate_container(
     visible = devicefiles.visible_devices(
         device_class=resource.device_class, device_ids=device_ids, parent_gpus=parents
     )
+    inventory = allocations.inventory
+    nvidia = [] if inventory is None else inventory.nvidia_cdi.devices_for(visible)
     return api_pb2.ContainerAllocateResponse(
         envs={
             "BCD_ALLOCATION_ID": allocation_ids,
@@ -151,7 +156,10 @@ def allocate_container(
             devicefiles.ANNOTATION_ALLOCATION: allocation_ids,
             devicefiles.ANNOTATION_RESERVATION: reservation_ids,
         },
-        cdi_devices=[api_pb2.CDIDevice(name=devicefiles.cdi_name(d)) for d in device_ids],
+        cdi_devices=[
+            api_pb2.CDIDevice(name=name)
+            for name in [*(devicefiles.cdi_name(d) for d in device_ids), *nvidia]
+        ],
     )
 
 
