@@ -32,6 +32,7 @@ HOST_PATHS = {
     "/var/lib/kubelet/device-plugins",
     "/var/lib/kubelet/pod-resources",
     "/etc/cdi",
+    "/var/run/cdi",
     "/run/bcd",
     "/var/lib/bcd",
     "/sys/fs/cgroup",
