@@ -25,6 +25,10 @@ OPERATION_PATHS = {
     "/api/compute/pools/list": "PoolsInput",
     "/api/compute/quotas/get": "QuotasInput",
     "/api/compute/whoami": "WhoamiInput",
+    "/api/compute/events/subscriptions/create": "SubscriptionCreateInput",
+    "/api/compute/events/subscriptions/list": "SubscriptionListInput",
+    "/api/compute/events/subscriptions/delete": "SubscriptionDeleteInput",
+    "/api/compute/events/deliveries/list": "DeliveryListInput",
 }
 
 

@@ -45,6 +45,9 @@ EXAMPLES = 25
 schema = schemathesis.openapi.from_dict(openapi.document()).exclude(
     path="/api/compute/events/watch"
 )
+# The stateful run follows the reservations' links; the webhook operations (no links, covered by
+# the stateless run) would take its few steps away from them.
+STATEFUL = schema.exclude(path_regex=r"^/api/compute/events/")
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -158,7 +161,7 @@ def test_every_operation_answers_as_documented(case: Any, live: LiveServer) -> N
 def test_stateful_runs_follow_the_links(live: LiveServer) -> None:
     answered: list[tuple[str, int]] = []
 
-    class Calls(schema.as_state_machine()):  # type: ignore[misc]
+    class Calls(STATEFUL.as_state_machine()):  # type: ignore[misc]
         def get_call_kwargs(self, case: Any) -> dict[str, Any]:
             return {"base_url": live.url, "timeout": 10}
 

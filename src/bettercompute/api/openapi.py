@@ -70,6 +70,9 @@ ANSWERS: Mapping[str, Any] = {
         "PoolList",
         "QuotaList",
         "SearchResult",
+        "Subscription",
+        "SubscriptionList",
+        "DeliveryList",
     )
 }
 

@@ -128,6 +128,34 @@ OPERATIONS: tuple[Operation, ...] = (
         answer="SearchResult",
         summary="The earliest windows a create would fit in (no booking, no decision)",
     ),
+    Operation(
+        name="events.subscriptions.create",
+        method="subscriptions_create",
+        model=requests.SubscriptionCreateInput,
+        answer="Subscription",
+        summary="POST the tenant's events to a URL, signed; answers the secret, once",
+    ),
+    Operation(
+        name="events.subscriptions.list",
+        method="subscriptions_list",
+        model=requests.SubscriptionListInput,
+        answer="SubscriptionList",
+        summary="The tenant's webhook subscriptions (without their secrets)",
+    ),
+    Operation(
+        name="events.subscriptions.delete",
+        method="subscriptions_delete",
+        model=requests.SubscriptionDeleteInput,
+        answer="Subscription",
+        summary="Stop delivering to a subscription; its pending deliveries end dead",
+    ),
+    Operation(
+        name="events.deliveries.list",
+        method="deliveries_list",
+        model=requests.DeliveryListInput,
+        answer="DeliveryList",
+        summary="A subscription's delivery log: per event its attempts, status and state",
+    ),
 )
 
 BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}

@@ -1,5 +1,5 @@
 """The ``better-compute`` commands: reserve, capacity --preview, reservations get/list, extend,
-renew, release, cancel and dev.
+renew, release, cancel, subscriptions create/list/delete/deliveries and dev.
 
 Why this shape: each command only translates. Flags become the guide's JSON body (``bodies``),
 one HTTP call answers (``client``), and the answer is printed (``output``). Every failure is a
@@ -99,6 +99,18 @@ reservations_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(reservations_app, name="reservations")
+
+subscriptions_app = typer.Typer(
+    help="Webhooks: POST your tenant's reservation events, signed, to a URL of yours.",
+    epilog=(
+        "Examples:\n\n"
+        "  better-compute subscriptions create --url https://hooks.example.com/compute"
+        " --event reservation.placed\n"
+        "  better-compute subscriptions deliveries sub_… --state dead"
+    ),
+    no_args_is_help=True,
+)
+app.add_typer(subscriptions_app, name="subscriptions")
 
 #: How long past the server's own wait a create may take to answer before we call it lost.
 ANSWER_GRACE_S = 15.0
@@ -553,6 +565,128 @@ def reservations_list(
         with _client(found) as api:
             answer = api.call("reservations/list", body)
         output.emit(answer, output=found.output, table=output.reservation_list, keep_whole=True)
+
+
+# --- subscriptions ---------------------------------------------------------------------------
+
+SubscriptionArgument = Annotated[
+    str,
+    typer.Argument(metavar="ID", help="The subscription id (sub_…).", show_default=False),
+]
+
+
+@subscriptions_app.command(
+    "create",
+    epilog=_examples(
+        "better-compute subscriptions create --url https://hooks.example.com/compute",
+        "better-compute subscriptions create --url https://hooks.example.com/compute"
+        " --event reservation.placed --event reservation.released",
+    ),
+)
+def subscriptions_create(
+    hook_url: Annotated[
+        str,
+        typer.Option(
+            "--url",
+            help="Where to POST the events: an http:// or https:// URL.",
+            show_default=False,
+        ),
+    ],
+    event: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--event",
+            help="Only this event type (repeat for more): reservation.placed, "
+            "reservation.released, … (default: every type).",
+        ),
+    ] = None,
+    tenant: options.TenantOption = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            help="Base URL of the API (or $BETTER_COMPUTE_URL): --url names the webhook here.",
+            rich_help_panel=options.CONNECTION,
+            show_default=False,
+        ),
+    ] = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Subscribe a URL to your tenant's events; prints the signing secret, once."""
+    with _reporting(out):
+        found = _settings(url=server, token=token, tenant=tenant, out=out)
+        body: dict[str, Any] = {"tenantId": _tenant(found), "url": hook_url}
+        if event:
+            body["eventTypes"] = list(event)
+        with _client(found) as api:
+            made = api.call("events/subscriptions/create", body)
+        output.emit(made, output=found.output, table=output.subscription)
+
+
+@subscriptions_app.command(
+    "list", epilog=_examples("better-compute subscriptions list --tenant acme")
+)
+def subscriptions_list(
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Your tenant's webhook subscriptions (their secrets are never shown again)."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        with _client(found) as api:
+            answer = api.call("events/subscriptions/list", {"tenantId": _tenant(found)})
+        output.emit(answer, output=found.output, table=output.subscription_list, keep_whole=True)
+
+
+@subscriptions_app.command(
+    "delete", epilog=_examples("better-compute subscriptions delete sub_… --tenant acme")
+)
+def subscriptions_delete(
+    subscription_id: SubscriptionArgument,
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """Stop delivering to a subscription; what is still pending ends dead."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        body = {"tenantId": _tenant(found), "subscriptionId": subscription_id}
+        with _client(found) as api:
+            gone = api.call("events/subscriptions/delete", body)
+        output.emit(gone, output=found.output, table=output.subscription)
+
+
+@subscriptions_app.command(
+    "deliveries",
+    epilog=_examples(
+        "better-compute subscriptions deliveries sub_… --tenant acme",
+        "better-compute subscriptions deliveries sub_… --state dead",
+    ),
+)
+def subscriptions_deliveries(
+    subscription_id: SubscriptionArgument,
+    state: Annotated[
+        str | None,
+        typer.Option("--state", help="Only deliveries in this state: pending, delivered, dead."),
+    ] = None,
+    tenant: options.TenantOption = None,
+    url: options.UrlOption = None,
+    token: options.TokenOption = None,
+    out: options.OutputOption = None,
+) -> None:
+    """A subscription's delivery log, newest event first: attempts, last answer, next try."""
+    with _reporting(out):
+        found = _settings(url=url, token=token, tenant=tenant, out=out)
+        body: dict[str, Any] = {"tenantId": _tenant(found), "subscriptionId": subscription_id}
+        if state is not None:
+            body["state"] = state
+        with _client(found) as api:
+            answer = api.call("events/deliveries/list", body)
+        output.emit(answer, output=found.output, table=output.delivery_list, keep_whole=True)
 
 
 @app.command(

@@ -434,3 +434,72 @@ def _compact(value: Any) -> str:
     if isinstance(value, list) and all(not isinstance(v, dict | list) for v in value):
         return ", ".join(_scalar(v) for v in value) or "-"
     return yaml.safe_dump(value, sort_keys=False, allow_unicode=True).rstrip("\n")
+
+
+# --- event subscriptions -----------------------------------------------------------------------
+
+
+def subscription(data: Any) -> RenderableType:
+    """``events.subscriptions.create`` and ``delete``: one subscription as a key/value table;
+    the secret (create only) with a reminder that it is shown once."""
+    if not isinstance(data, dict):
+        return Text(_scalar(data))
+    table = _kv_table()
+    types = data.get("eventTypes") or []
+    rows: list[tuple[str, str | None]] = [
+        ("id", data.get("id")),
+        ("state", data.get("state")),
+        ("url", data.get("url")),
+        ("events", ", ".join(str(t) for t in types) or "all"),
+        ("created", parsing.format_time(data.get("createdAt"))),
+        ("created by", data.get("createdBy")),
+        ("secret", data.get("secret")),
+    ]
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, Text(str(value)))
+    if data.get("secret"):
+        return Group(table, Text("Keep the secret now: it is never shown again."))
+    return table
+
+
+def subscription_list(data: Any) -> RenderableType:
+    """``events.subscriptions.list``: ID, URL, EVENTS, CREATED."""
+    items = data.get("items") if isinstance(data, dict) else None
+    if not items:
+        return Text("No subscriptions.")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("ID", "URL", "EVENTS", "CREATED"):
+        table.add_column(column, no_wrap=column in ("ID", "CREATED"))
+    for item in items:
+        types = item.get("eventTypes") or []
+        table.add_row(
+            Text(str(item.get("id"))),
+            Text(str(item.get("url"))),
+            Text(", ".join(str(t) for t in types) or "all"),
+            Text(parsing.format_time(item.get("createdAt"))),
+        )
+    return table
+
+
+def delivery_list(data: Any) -> RenderableType:
+    """``events.deliveries.list``: EVENT, TYPE, RESERVATION, STATE, ATTEMPTS, LAST, NEXT."""
+    items = data.get("items") if isinstance(data, dict) else None
+    if not items:
+        return Text("No deliveries.")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    for column in ("EVENT", "TYPE", "RESERVATION", "STATE", "ATTEMPTS", "LAST", "NEXT"):
+        table.add_column(column, no_wrap=column != "LAST")
+    for item in items:
+        status, error = item.get("lastStatus"), item.get("lastError")
+        last = error or (str(status) if status is not None else "-")
+        table.add_row(
+            Text(str(item.get("eventId"))),
+            Text(str(item.get("eventType"))),
+            Text(str(item.get("reservationId"))),
+            Text(str(item.get("state"))),
+            Text(str(item.get("attempts"))),
+            Text(last),
+            Text(parsing.format_time(item.get("nextAttemptAt"))),
+        )
+    return table

@@ -237,6 +237,62 @@ class SearchResult(TypedDict):
     hostShare: Annotated[HostFigures, Field(description=_SHARE)]
 
 
+@with_config(_CLOSED)
+class Subscription(TypedDict):
+    """A webhook subscription: the tenant's events POSTed, signed, to ``url``."""
+
+    id: str
+    tenantId: str
+    url: str
+    eventTypes: Annotated[list[str], Field(description="The types delivered; empty: every type.")]
+    state: Literal["active", "disabled"]
+    createdBy: str
+    createdAt: Ms
+    secret: NotRequired[
+        Annotated[
+            str,
+            Field(
+                description="The HMAC-SHA256 key of the signatures (64 hex digits): in the "
+                "answer of create only, never shown again."
+            ),
+        ]
+    ]
+
+
+@with_config(_CLOSED)
+class SubscriptionList(TypedDict):
+    """The tenant's active subscriptions, oldest first (without their secrets)."""
+
+    items: list[Subscription]
+
+
+@with_config(_CLOSED)
+class Delivery(TypedDict):
+    """One event's delivery to one subscription: its attempts and where it stands."""
+
+    subscriptionId: str
+    eventId: int
+    eventType: str
+    reservationId: str
+    state: Literal["pending", "delivered", "dead"]
+    attempts: int
+    lastStatus: Annotated[
+        int | None, Field(description="The receiver's last HTTP status; null: none answered.")
+    ]
+    lastError: str | None
+    createdAt: Ms
+    firstAttemptAt: Ms | None
+    nextAttemptAt: Annotated[Ms | None, Field(description="While pending: the next attempt.")]
+    deliveredAt: Ms | None
+
+
+@with_config(_CLOSED)
+class DeliveryList(TypedDict):
+    """A subscription's delivery log, newest event first."""
+
+    items: list[Delivery]
+
+
 class AuthorizationRow(TypedDict):
     """What a read, release or extend decision sees of a stored reservation and its pool."""
 

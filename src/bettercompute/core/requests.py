@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal, TypeVar
+import re
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -228,6 +230,82 @@ class ExtendInput(_Input):
 class RenewInput(_Input):
     tenantId: TenantId
     reservationId: ObjectId
+
+
+# --- event subscriptions (webhooks) ------------------------------------------------------------
+
+#: Every type of event the outbox carries, i.e. what a subscription may name: the store's
+#: ``journal.emit`` calls and admission's SQL (``reservation.pending``).
+EventType = Literal[
+    "reservation.pending",
+    "reservation.placed",
+    "reservation.repaired",
+    "reservation.binding",
+    "reservation.binding-rejected",
+    "reservation.active",
+    "reservation.extended",
+    "reservation.preempting",
+    "reservation.preempted",
+    "reservation.failed",
+    "reservation.released",
+    "reservation.cancelled",
+]
+EVENT_TYPES: tuple[str, ...] = get_args(EventType)
+#: What a subscription's URL must look like: http or https, a host, then a path, query or
+#: fragment, all printable ASCII (anything else percent-encoded). ASCII ranges, not ``\s``:
+#: which characters ``\s`` means differs between regex dialects, and the OpenAPI document
+#: states this pattern exactly as the server checks it.
+WEBHOOK_URL_PATTERN = r'^https?://[!-"$-.0->@-~]+(?:[/?#][!-~]*)?$'
+_WEBHOOK_URL = re.compile(WEBHOOK_URL_PATTERN)
+DeliveryState = Literal["pending", "delivered", "dead"]
+
+
+def _webhook_url(value: str) -> str:
+    if not _WEBHOOK_URL.match(value):
+        raise ValueError(
+            "must be an http:// or https:// URL with a host, in printable ASCII (no spaces)"
+        )
+    # ``$`` also matches before a last newline (as JSON Schema's validators read the pattern
+    # too); the URL kept is without it.
+    return value.removesuffix("\n")
+
+
+WebhookUrl = Annotated[
+    str,
+    Field(min_length=1, max_length=2048, json_schema_extra={"pattern": WEBHOOK_URL_PATTERN}),
+    AfterValidator(_webhook_url),
+]
+
+
+class SubscriptionCreateInput(_Input):
+    """``events.subscriptions.create``: POST the tenant's events of ``eventTypes`` (none: all)
+    to ``url``."""
+
+    tenantId: TenantId
+    url: WebhookUrl
+    eventTypes: list[EventType] = Field(default_factory=list, max_length=len(EVENT_TYPES))
+
+
+class SubscriptionListInput(_Input):
+    """``events.subscriptions.list``: the tenant's active subscriptions (never their secrets)."""
+
+    tenantId: TenantId
+
+
+class SubscriptionDeleteInput(_Input):
+    """``events.subscriptions.delete``: stop delivering to a subscription (its log stays)."""
+
+    tenantId: TenantId
+    subscriptionId: ObjectId
+
+
+class DeliveryListInput(_Input):
+    """``events.deliveries.list``: a subscription's delivery log, newest event first."""
+
+    tenantId: TenantId
+    subscriptionId: ObjectId
+    state: DeliveryState | None = None
+    limit: StrictInt = Field(default=100, ge=1, le=500)
 
 
 M = TypeVar("M", bound=BaseModel)

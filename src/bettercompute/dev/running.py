@@ -64,6 +64,7 @@ from bettercompute.service.collecting import Collector
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
+from bettercompute.service.webhooks import WebhookDelivery
 from bettercompute.sim import inventories
 from bettercompute.sim.agents import NodeAgentError, Wakeups, node_agent
 
@@ -286,6 +287,7 @@ async def started(
             )
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
+        tasks.append(supervising.restarting(WebhookDelivery(db).run, name="webhooks"))
         node_service = NodeService(db)
         agents: dict[str, Converger] = {}
         for node in nodes:

@@ -62,6 +62,7 @@ from bettercompute.service.events import EventDelivery
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
+from bettercompute.service.webhooks import WebhookDelivery
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ async def started(
         tasks.append(supervising.restarting(allocations.run, name="allocations"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
         tasks.append(supervising.restarting(events.run, name="events"))
+        tasks.append(supervising.restarting(WebhookDelivery(db).run, name="webhooks"))
         kept: webhookcerts.WebhookCertificates | None = None
         if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
             # Ends on purpose, so that the process restarts with the new certificate.

@@ -17,6 +17,7 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
@@ -39,6 +40,7 @@ from bettercompute.store import (
     reports,
     searching,
     stats,
+    subscriptions,
     views,
 )
 from bettercompute.store import pools as store_pools
@@ -639,6 +641,64 @@ class ReservationService:
             yield batch
             if not batch:
                 await asyncio.sleep(poll_s)
+
+    # --- event subscriptions (webhooks; delivered by service.webhooks) ----------------------
+
+    async def subscriptions_create(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.Subscription:
+        """``events.subscriptions.create``: a new subscription, answered with its secret (32
+        random bytes as hex), which is never shown again."""
+        value = requests.parse(requests.SubscriptionCreateInput, data)
+        self._precheck(caller, value.tenantId)
+        made = await subscriptions.create(
+            self.db,
+            tenant_id=value.tenantId,
+            url=value.url,
+            event_types=value.eventTypes,
+            created_by=caller.identity_id,
+            secret=secrets.token_hex(32),
+        )
+        if made is None:
+            raise errors.not_found("tenant")
+        return made
+
+    async def subscriptions_list(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.SubscriptionList:
+        """``events.subscriptions.list``: the tenant's active subscriptions, no secrets."""
+        value = requests.parse(requests.SubscriptionListInput, data)
+        self._precheck(caller, value.tenantId)
+        return {"items": await subscriptions.list_active(self.db, tenant_id=value.tenantId)}
+
+    async def subscriptions_delete(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.Subscription:
+        """``events.subscriptions.delete``: disabled, its pending deliveries dead, its log
+        kept; ``NOT_FOUND`` for another tenant's or one already deleted."""
+        value = requests.parse(requests.SubscriptionDeleteInput, data)
+        self._precheck(caller, value.tenantId)
+        gone = await subscriptions.disable(
+            self.db, tenant_id=value.tenantId, subscription_id=value.subscriptionId
+        )
+        if gone is None:
+            raise errors.not_found("subscription")
+        return gone
+
+    async def deliveries_list(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.DeliveryList:
+        """``events.deliveries.list``: an active subscription's delivery log, newest first."""
+        value = requests.parse(requests.DeliveryListInput, data)
+        self._precheck(caller, value.tenantId)
+        if not await subscriptions.is_active(
+            self.db, tenant_id=value.tenantId, subscription_id=value.subscriptionId
+        ):
+            raise errors.not_found("subscription")
+        items = await subscriptions.deliveries(
+            self.db, subscription_id=value.subscriptionId, state=value.state, limit=value.limit
+        )
+        return {"items": items}
 
     async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``capacity.search``: the earliest windows a create would fit in, booking nothing.

@@ -1,0 +1,200 @@
+"""Delivering events to webhook subscriptions: fan-out from the outbox, then signed POSTs.
+
+Why a loop of its own: a receiver is someone else's server, slow or down for hours, and must
+never hold back the in-process subscribers of ``service/events.py``. So new outbox events are
+first fanned out to ``event_deliveries`` rows (cursor ``webhooks``, moved in the same
+transaction: at least once, a repeat is a no-op), then due deliveries are claimed and POSTed
+with httpx, each signed::
+
+    X-Better-Compute-Signature: sha256=<hex HMAC-SHA256(secret, f"{timestamp}.{body}")>
+
+A 2xx answer delivers it; anything else (another status, a refused connection, a timeout) is
+retried with exponential backoff (1 s doubling, capped at 10 min, jittered) until 24 h after
+its first attempt, then it is ``dead`` and stays in the delivery log. Within one subscription a
+reservation's events go in order: one waits while an earlier one of the same reservation is
+pending (``store/subscriptions.py`` claims only the earliest).
+
+What it must never do: end on a store error or on a receiver's failure (it logs, waits and goes
+on), send a delivery that is not claimed, or put the secret anywhere but the HMAC key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bettercompute import supervising
+from bettercompute.core.errors import StoreError
+from bettercompute.store import listening, subscriptions
+from bettercompute.store.database import Database
+
+log = logging.getLogger(__name__)
+
+#: The outbox cursor of the fan-out.
+SUBSCRIBER = "webhooks"
+EVENT_HEADER = "X-Better-Compute-Event"
+DELIVERY_HEADER = "X-Better-Compute-Delivery"
+TIMESTAMP_HEADER = "X-Better-Compute-Timestamp"
+SIGNATURE_HEADER = "X-Better-Compute-Signature"
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The signature header's value: ``sha256=`` and the hex HMAC-SHA256, keyed with the
+    secret's text, of ``<timestamp>.<body>``."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"sha256={digest.hexdigest()}"
+
+
+def body_of(event: dict[str, Any]) -> bytes:
+    """The JSON sent: ``{id, type, reservationId, at, data}``, compact."""
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Retries:
+    """When a failed delivery is tried again: ``base_s`` doubling per attempt, at most
+    ``cap_s``, jittered down by up to ``jitter`` of it; dead once ``deadline_s`` has passed
+    since its first attempt."""
+
+    base_s: float = 1.0
+    cap_s: float = 600.0
+    deadline_s: float = 86_400.0
+    jitter: float = 0.2
+
+    def delay_s(self, attempts: int, *, rand: Callable[[], float] = random.random) -> float:
+        full = min(self.cap_s, self.base_s * 2.0 ** max(0, attempts - 1))
+        return full * (1.0 - self.jitter * rand())
+
+
+class WebhookDelivery:
+    """Fans new events out to the subscriptions that want them and POSTs what is due."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        retries: Retries | None = None,
+        timeout_s: float = 10.0,
+        poll_s: float = 5.0,
+        batch: int = 50,
+    ):
+        self.db = db
+        self.retries = retries or Retries()
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.batch = batch
+        self._wake = asyncio.Event()
+
+    async def fan_out(self) -> int:
+        """Turn every event after the cursor into pending deliveries; returns how many events."""
+        total = 0
+        while n := await subscriptions.fan_out(self.db, subscriber=SUBSCRIBER):
+            total += n
+        return total
+
+    async def send_due(self, client: httpx.AsyncClient) -> int:
+        """POST every delivery due now, batch by batch; returns how many were attempted."""
+        total = 0
+        while True:
+            # The claim outlasts an attempt, so no other sender takes one while it is in flight.
+            due = await subscriptions.claim_due(
+                self.db, limit=self.batch, lease_s=self.timeout_s * 3
+            )
+            if not due:
+                return total
+            await asyncio.gather(*(self._attempt(client, d) for d in due))
+            total += len(due)
+
+    async def _attempt(self, client: httpx.AsyncClient, due: subscriptions.Due) -> None:
+        body = body_of(due.event)
+        timestamp = int(time.time())
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "better-compute-webhooks",
+            EVENT_HEADER: str(due.event["type"]),
+            DELIVERY_HEADER: str(due.event_id),
+            TIMESTAMP_HEADER: str(timestamp),
+            SIGNATURE_HEADER: sign(due.secret, timestamp, body),
+        }
+        status: int | None = None
+        try:
+            response = await client.post(
+                due.url, content=body, headers=headers, timeout=self.timeout_s
+            )
+            status = response.status_code
+            if 200 <= status < 300:
+                await subscriptions.delivered(
+                    self.db,
+                    subscription_id=due.subscription_id,
+                    event_id=due.event_id,
+                    status=status,
+                )
+                return
+            error = f"HTTP {status}"
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        except ValueError as e:  # a URL httpx cannot send to
+            error = f"{type(e).__name__}: {e}"
+        state = await subscriptions.failed(
+            self.db,
+            subscription_id=due.subscription_id,
+            event_id=due.event_id,
+            status=status,
+            error=error,
+            retry_in_s=self.retries.delay_s(due.attempts),
+            deadline_s=self.retries.deadline_s,
+        )
+        if state == "dead":
+            log.warning(
+                "webhook delivery of event %s to %s is dead after %d attempts: %s",
+                due.event_id,
+                due.subscription_id,
+                due.attempts,
+                error,
+            )
+
+    async def run(self) -> None:
+        """Until cancelled: fan out, send, then wait for a new event, the next due delivery or
+        ``poll_s``, whichever is first."""
+        listener = asyncio.create_task(
+            listening.wake_on(self.db, "compute_outbox", self._wake), name="webhooks-listen"
+        )
+        backoff = supervising.Backoff()
+        failing = ""
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                while True:
+                    self._wake.clear()
+                    try:
+                        await self.fan_out()
+                        await self.send_due(client)
+                        due_in = await subscriptions.next_due_in(self.db)
+                    except StoreError as e:
+                        if str(e) != failing:
+                            log.warning("webhook delivery failed, retrying: %s", e)
+                        failing = str(e)
+                        await backoff.wait()
+                        continue
+                    if failing:
+                        log.info("webhook delivery succeeds again")
+                        failing = ""
+                    backoff.reset()
+                    wait_s = self.poll_s if due_in is None else min(self.poll_s, max(due_in, 0.01))
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait_s):
+                            await self._wake.wait()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
