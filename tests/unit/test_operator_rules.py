@@ -36,7 +36,7 @@ def _gpunode_status(*, ready: bool = True, mig: bool = False) -> dict:
         gpus.append(gpu)
     return {
         "inventory": {"gpus": gpus, "host": {"vcpu": 64, "memoryGiB": 512}},
-        "capabilities": ["binding.kubernetes", "devices.limits", "unknown.cap"],
+        "capabilities": ["binding.kubernetes", "devices.limits", "cdi.nvidia", "unknown.cap"],
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
     }
 
@@ -142,6 +142,8 @@ def test_an_exclusive_pool_books_whole_gpus_with_health_numa_and_nvlink():
     assert node.ready
     assert node.labels[pools.CAP_BINDING_KUBERNETES] == ("true", "system")
     assert node.labels[pools.CAP_DEVICES_LIMITS] == ("true", "system")
+    assert node.labels[pools.CAP_CDI_NVIDIA] == ("true", "system")
+    assert not [k for k in node.labels if "unknown" in k]  # only the capabilities we know
     assert node.labels["bcd.dev/pool"] == ("h100", "operator")
     assert node.resources == {"vcpu": 64, "memoryGiB": 512}
 

@@ -39,6 +39,9 @@ DEFAULT_MAX_PENDING_MS = 24 * 3_600_000
 
 CAP_BINDING_KUBERNETES = "bc.dev/cap.binding.kubernetes"
 CAP_DEVICES_LIMITS = "bc.dev/cap.devices.limits"
+#: The node's agent finds NVIDIA's CDI specs for every device: containers get device nodes,
+#: driver libraries and hooks (a pool's nodeSelector or a request may ask for it).
+CAP_CDI_NVIDIA = "bc.dev/cap.cdi.nvidia"
 
 _ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=_ID)]

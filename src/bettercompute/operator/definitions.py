@@ -199,6 +199,7 @@ def _host_resources(inventory: nodes.NodeInventory) -> dict[str, Any]:
 _CAPABILITY_LABELS = {
     "binding.kubernetes": pools.CAP_BINDING_KUBERNETES,
     "devices.limits": pools.CAP_DEVICES_LIMITS,
+    "cdi.nvidia": pools.CAP_CDI_NVIDIA,
 }
 
 
