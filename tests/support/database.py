@@ -6,6 +6,7 @@ test session, emptied between tests. Nothing here mocks the database.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from bettercompute.core.errors import StoreError
 from bettercompute.store.database import Database
 from bettercompute.store.embedded import EmbeddedPostgres
 
@@ -75,7 +77,17 @@ async def session_db(pg_dsn: str) -> AsyncIterator[Database]:
 @pytest.fixture
 async def db(session_db: Database) -> Database:
     """The session's database, empty at the start of every test, with business time reset."""
-    async with session_db.connection() as conn:
-        await conn.execute(f"TRUNCATE {_TABLES} RESTART IDENTITY CASCADE")
-        await conn.execute("UPDATE compute_clock SET offset_ = '0'")
-    return session_db
+    # A previous test's background loop (a stream or a delivery loop winding down) may still
+    # hold a table the TRUNCATE needs: PostgreSQL then breaks the deadlock by failing one side,
+    # possibly the TRUNCATE. Setting up again is the right answer; the loops end on their own.
+    for attempt in range(20):
+        try:
+            async with session_db.connection() as conn:
+                await conn.execute(f"TRUNCATE {_TABLES} RESTART IDENTITY CASCADE")
+                await conn.execute("UPDATE compute_clock SET offset_ = '0'")
+            return session_db
+        except StoreError as e:
+            if "deadlock" not in str(e) or attempt == 19:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")

@@ -241,13 +241,20 @@ async def _watch_events(request: web.Request) -> web.StreamResponse:
         stream: EventSourceResponse
         async with sse_response(request, ping_interval=EVENTS_PING_S) as stream:
             batch: list[dict[str, Any]] = first
-            while stream.is_connected():
+            # A client gone is noticed at the next poll (the transport closes), not only when
+            # a ping fails to write: a closed watch must stop reading the database at once.
+            while stream.is_connected() and not _gone(request):
                 for event in batch:
                     await stream.send(json.dumps(event), id=str(event["id"]), event=event["type"])
                 batch = await anext(batches)
     finally:
         await batches.aclose()
     return stream
+
+
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 # --- plain routes ----------------------------------------------------------------------------
