@@ -219,6 +219,15 @@ TimeoutOption = Annotated[
     ),
 ]
 NameArgument = Annotated[str, typer.Argument(metavar="NAME", help="The Reservation's name.")]
+#: How long extend, renew and release wait for the operator's answer.
+AnswerTimeoutOption = Annotated[
+    str,
+    typer.Option(
+        "--timeout",
+        help="How long to wait for the operator's answer; past it, exit 2.",
+        callback=_check_duration,
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -730,14 +739,7 @@ def extend(
             callback=_check_time,
         ),
     ] = None,
-    timeout: Annotated[
-        str,
-        typer.Option(
-            "--timeout",
-            help="How long to wait for the operator's answer; past it, exit 2.",
-            callback=_check_duration,
-        ),
-    ] = "1m",
+    timeout: AnswerTimeoutOption = "1m",
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
@@ -800,14 +802,7 @@ def extend(
 def renew(
     ctx: typer.Context,
     name: NameArgument,
-    timeout: Annotated[
-        str,
-        typer.Option(
-            "--timeout",
-            help="How long to wait for the operator's answer; past it, exit 2.",
-            callback=_check_duration,
-        ),
-    ] = "1m",
+    timeout: AnswerTimeoutOption = "1m",
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
@@ -852,14 +847,7 @@ def renew(
 def release(
     ctx: typer.Context,
     name: NameArgument,
-    timeout: Annotated[
-        str,
-        typer.Option(
-            "--timeout",
-            help="How long to wait for the operator's answer; past it, exit 2.",
-            callback=_check_duration,
-        ),
-    ] = "1m",
+    timeout: AnswerTimeoutOption = "1m",
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,

@@ -457,7 +457,12 @@ async def _pool_status(
                 "status": "True" if ready else "False",
                 "reason": reason,
                 "message": message,
-                "lastTransitionTime": _transition(body, ready, runtime.projector.clock()),
+                "lastTransitionTime": statuses.transition_time(
+                    (body.get("status") or {}).get("conditions"),
+                    "Ready",
+                    str(ready),
+                    now=runtime.projector.clock(),
+                ),
                 "observedGeneration": int(meta.get("generation") or 0),
             }
         ],
@@ -465,14 +470,6 @@ async def _pool_status(
     if nodes is not None:
         status["nodes"] = nodes
     await runtime.kube.patch(resources.GPUPOOLS, meta["name"], {"status": status}, status=True)
-
-
-def _transition(body: Mapping[str, Any], ready: bool, now: str) -> str:
-    """The Ready condition's ``lastTransitionTime``: kept while its status stands still."""
-    for condition in (body.get("status") or {}).get("conditions") or ():
-        if condition.get("type") == "Ready" and condition.get("status") == str(ready):
-            return str(condition.get("lastTransitionTime") or now)
-    return now
 
 
 def _claims(index: Any, tenant: str, *, without: str | None = None) -> list[quotas.Claim]:
@@ -523,9 +520,7 @@ async def _quota(runtime: Runtime, body: Mapping[str, Any], index: Any) -> None:
         now=runtime.projector.clock(),
     )
     status = body.get("status") or {}
-    if any(status.get(k) != v for k, v in shown.items() if v is not None) or any(
-        status.get(k) is not None for k, v in shown.items() if v is None
-    ):
+    if any(status.get(k) != v for k, v in shown.items()):
         await runtime.kube.patch(
             resources.GPUQUOTAS, str(meta["name"]), {"status": shown}, status=True
         )

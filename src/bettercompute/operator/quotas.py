@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from bettercompute.core import errors, pools, validation
+from bettercompute.operator import statuses
 
 CONFLICT = "Conflict"
 APPLIED = "Applied"
@@ -93,10 +94,6 @@ def status(
     still). A losing object shows no figures: they are another object's."""
     figures = list(rows) if ready else []
     value = "True" if ready else "False"
-    old = next(
-        (c for c in (previous or {}).get("conditions") or () if c.get("type") == "Ready"), None
-    )
-    since = old.get("lastTransitionTime") if old and old.get("status") == value else None
     gpus = [r for r in figures if str(r["resource"]).startswith(("gpu:", "gpuSlices:"))]
     return {
         "observedGeneration": generation,
@@ -109,7 +106,9 @@ def status(
                 "status": value,
                 "reason": reason,
                 "message": message,
-                "lastTransitionTime": since or now,
+                "lastTransitionTime": statuses.transition_time(
+                    (previous or {}).get("conditions"), "Ready", value, now=now
+                ),
                 "observedGeneration": generation,
             }
         ],

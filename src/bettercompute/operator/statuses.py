@@ -138,6 +138,16 @@ def settle(
     return out
 
 
+def transition_time(
+    previous: Sequence[Mapping[str, Any]] | None, kind: str, status: str, *, now: str
+) -> str:
+    """A condition's ``lastTransitionTime``: kept while its status stands still, else ``now``."""
+    for condition in previous or ():
+        if condition.get("type") == kind and condition.get("status") == status:
+            return str(condition.get("lastTransitionTime") or now)
+    return now
+
+
 #: Summary conditions, always present, for ``kubectl wait`` and GitOps health checks.
 READY = "Ready"
 PLACED = "Placed"
@@ -180,11 +190,7 @@ def summary(
             "status": value,
             "reason": why,
             "message": message,
-            "lastTransitionTime": (
-                old.get("lastTransitionTime") or now
-                if old is not None and old.get("status") == value
-                else now
-            ),
+            "lastTransitionTime": transition_time(previous, kind, value, now=now),
         }
         # A re-projection (no spec handled) keeps the generation the status last observed.
         seen = generation
