@@ -81,6 +81,11 @@ class Decision:
     #: Evaluation errors (a policy that failed to evaluate on these attributes).
     errors: tuple[str, ...] = ()
     confirmation: Confirmation | None = None
+    #: A refusal a person may lift: every policy that determined it is a ``forbid`` marked for
+    #: confirmation (Cedar's ``@confirm``). Never set on an allow, nor on a refusal because no
+    #: policy permits. Only an agent acting for a person (``Caller.on_behalf_of``) is offered a
+    #: confirmation for it; anyone else is simply refused.
+    held_for_confirmation: bool = False
 
 
 class PolicyEngine(Protocol):

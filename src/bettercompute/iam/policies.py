@@ -13,7 +13,9 @@ in ``Decision.errors``; an attribute we cannot express in Cedar denies, with the
 The entity model (the contract policy authors write against)::
 
     principal  Compute::Identity::"<identity id>"
-               attributes  tenant: String, kind: String ("user" | "agent" | "service")
+               attributes  tenant: String, kind: String ("user" | "agent" | "service"),
+                           actingFor: String (only for an agent acting for a person: that
+                           person's identity id; test it with ``has``)
                parents     Compute::Tenant::"<tenant id>", Compute::Group::"<g>" per group
     action     Compute::Action::"compute:reservations:create"   (also :read, :release, :extend)
     resource   for a reservation or a draft ("compute-reservation"):
@@ -35,6 +37,20 @@ The entity model (the contract policy authors write against)::
 A reservation is *not* a child of its tenant: a pool is a child of the tenant that owns it, so
 ``resource in Compute::Tenant::"t"`` means "in a pool that t owns". Own-tenant rules compare
 ``principal.tenant == resource.tenant``.
+
+Delegated confirmation: a ``forbid`` annotated ``@confirm`` holds what it forbids for a person's
+confirmation. A refusal is *confirmable* (``Decision.held_for_confirmation``) when at least one
+policy determined it, every policy that did is such a ``forbid``, and the same request is
+allowed once those forbids are set aside (a second evaluation, only in that case). So a refusal
+because nothing permits, or one that any plain ``forbid`` joins, is never lifted by a person's
+yes. Typically::
+
+    @id("agents-confirm-big-requests") @confirm
+    forbid (principal, action == Compute::Action::"compute:reservations:create", resource)
+    when { principal has actingFor && resource.gpuCount > 4 };
+
+Whether a confirmation is then asked for is the service's business (only an agent with a
+person to ask gets one); this module only says which refusals could be lifted.
 
 ``SCHEMA`` writes the same model as a Cedar schema; ``validate=True`` type-checks policies
 against it when they are loaded (a misspelt attribute is then a load error, not a silent deny).
@@ -76,7 +92,7 @@ SCHEMA: Final = """
 namespace Compute {
   entity Tenant;
   entity Group;
-  entity Identity in [Tenant, Group] = { tenant: String, kind: String };
+  entity Identity in [Tenant, Group] = { tenant: String, kind: String, actingFor?: String };
   entity Pool in [Tenant] = { ownerTenant: String, region: String, gpuModel: String };
   entity Reservation in [Pool] = {
     tenant: String,
@@ -133,10 +149,21 @@ class _Unrepresentable(Exception):
 class CedarPolicyEngine:
     """A ``PolicyEngine`` over one pre-parsed Cedar policy set."""
 
-    def __init__(self, *, policy_set: Any, names: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        *,
+        policy_set: Any,
+        names: Mapping[str, str],
+        confirmable: frozenset[str] = frozenset(),
+        lifted: Any = None,
+    ) -> None:
         # Build with ``from_text``/``from_texts``, which parse and check the text.
         self._policies = policy_set
         self._names = dict(names)
+        # Cedar's positional ids of the forbids marked @confirm, and the policy set without
+        # them: what would decide once a person confirmed.
+        self._confirmable = confirmable
+        self._lifted = lifted
 
     @classmethod
     def from_text(cls, text: str, *, validate: bool = False) -> CedarPolicyEngine:
@@ -163,7 +190,19 @@ class CedarPolicyEngine:
                     "policies do not match the schema: " + "; ".join(problems),
                     {"errors": problems},
                 )
-        return cls(policy_set=policies, names=names)
+        confirmable = _confirmable(est)
+        lifted = None
+        if confirmable:
+            rest = {
+                **est,
+                "staticPolicies": {
+                    pid: policy
+                    for pid, policy in est.get("staticPolicies", {}).items()
+                    if pid not in confirmable
+                },
+            }
+            lifted = cedarpy.PolicySet.from_json_str(json.dumps(rest))
+        return cls(policy_set=policies, names=names, confirmable=confirmable, lifted=lifted)
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], *, validate: bool = False) -> CedarPolicyEngine:
@@ -176,19 +215,26 @@ class CedarPolicyEngine:
         except _Unrepresentable as exc:
             return Decision(allowed=False, errors=(str(exc),))
         entities.append(_principal_entity(request.principal))
-        result = cedarpy.is_authorized(
-            {
-                "principal": _uid("Identity", request.principal.identity_id),
-                "action": _uid("Action", request.action),
-                "resource": resource,
-                "context": {},
-            },
-            self._policies,
-            entities,
-        )
+        question = {
+            "principal": _uid("Identity", request.principal.identity_id),
+            "action": _uid("Action", request.action),
+            "resource": resource,
+            "context": {},
+        }
+        result = cedarpy.is_authorized(question, self._policies, entities)
         diagnostics = result.diagnostics
+        determining = list(diagnostics.reasons)
+        # Held: only marked forbids refused it, and without them it is allowed (so a missing
+        # permit or a plain forbid is never lifted by a person's yes).
+        held = (
+            not result.allowed
+            and bool(determining)
+            and all(pid in self._confirmable for pid in determining)
+            and cedarpy.is_authorized(question, self._lifted, entities).allowed
+        )
         return Decision(
             allowed=result.allowed,
+            held_for_confirmation=held,
             reasons=tuple(self._names.get(pid, pid) for pid in diagnostics.reasons),
             errors=tuple(_with_names(error, self._names) for error in diagnostics.errors),
         )
@@ -227,6 +273,16 @@ def _names_by_policy_id(est: Mapping[str, Any]) -> dict[str, str]:
     return names
 
 
+def _confirmable(est: Mapping[str, Any]) -> frozenset[str]:
+    """Cedar's positional ids of the ``forbid`` policies annotated ``@confirm`` (with or without
+    a value). A ``permit`` so annotated means nothing: only a refusal can be held."""
+    return frozenset(
+        policy_id
+        for policy_id, policy in est.get("staticPolicies", {}).items()
+        if policy.get("effect") == "forbid" and "confirm" in (policy.get("annotations") or {})
+    )
+
+
 def _with_names(message: str, names: Mapping[str, str]) -> str:
     # Cedar's messages name policies by positional id; show the author's @id, as reasons do.
     return _POLICY_IN_ERROR.sub(lambda m: f"policy `{names.get(m[1], m[1])}`", message)
@@ -238,9 +294,12 @@ def _uid(entity_type: str, entity_id: str) -> dict[str, str]:
 
 
 def _principal_entity(caller: Caller) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"tenant": caller.tenant_id, "kind": caller.kind}
+    if caller.on_behalf_of is not None:
+        attrs["actingFor"] = caller.on_behalf_of
     return {
         "uid": _uid("Identity", caller.identity_id),
-        "attrs": {"tenant": caller.tenant_id, "kind": caller.kind},
+        "attrs": attrs,
         "parents": [
             _uid("Tenant", caller.tenant_id),
             *(_uid("Group", group) for group in caller.groups),
