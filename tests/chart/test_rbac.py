@@ -80,6 +80,7 @@ EXPECTED = [
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
     ("ClusterRole", OPERATOR, "", "events", None, "create", "kube client, kopf posting"),
     ("ClusterRole", OPERATOR, "authentication.k8s.io", "tokenreviews", None, "create", "HTTP API"),
+    ("ClusterRole", OPERATOR, "", "serviceaccounts", None, "get", "delegating.py"),
     (
         "ClusterRole",
         OPERATOR,
@@ -207,6 +208,9 @@ NOT_EXERCISED = {
         ("customresourcedefinitions", "watch"),
         # The HTTP API authenticates its callers; the life is driven through objects.
         ("tokenreviews", "create"),
+        # An agent's service account (tests/operator/test_delegations.py); the life's
+        # Reservation is a person's.
+        ("serviceaccounts", "get"),
         # Checked by the API server itself when the operator writes /approval and /status.
         ("signers", "approve"),
         ("signers", "sign"),

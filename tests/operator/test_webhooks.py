@@ -384,7 +384,7 @@ async def test_the_operators_own_updates_are_allowed(webhooks: Webhooks):
 
 
 async def test_the_stamp_ignores_an_update(webhooks: Webhooks):
-    """Registered for CREATE only: an UPDATE reaching it is allowed unchanged."""
+    """An UPDATE that answers no confirmation is allowed unchanged."""
     old = _stamped(_reservation())
     new = _update(old, release=True)
     response = await webhooks.call(
@@ -392,3 +392,61 @@ async def test_the_stamp_ignores_an_update(webhooks: Webhooks):
     )
     assert response["allowed"] is True
     assert "patch" not in response
+
+
+# --- answering a confirmation: bcd.dev/confirmation and who set it ---------------------------
+
+CONFIRMATION = "bcd.dev/confirmation"
+CONFIRMED_BY = "bcd.dev/confirmed-by"
+AGENT = {"username": "system:serviceaccount:team-a:trainer", "groups": ["system:serviceaccounts"]}
+
+
+def _answered(old: dict[str, Any], answer: str, **more: str) -> dict[str, Any]:
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"].update({CONFIRMATION: answer, **more})
+    return new
+
+
+async def test_the_stamp_records_who_answered_a_confirmation(webhooks: Webhooks):
+    old = _stamped(_reservation(), user=AGENT)
+    new = _answered(old, "approve")
+    response = await webhooks.call("/stamp", _review("UPDATE", new, old=old, user=ALICE))
+    ops = json.loads(base64.b64decode(response["patch"]))
+    stamped = jsonpatch.apply_patch(new, ops)
+    assert stamped["metadata"]["annotations"][CONFIRMED_BY] == "alice@acme"
+    # The stamped answer then passes the validating webhook, as alice's.
+    await webhooks.allowed(_review("UPDATE", stamped, old=old, user=ALICE))
+
+
+async def test_a_forged_answerer_is_overwritten_and_refused_when_unstamped(webhooks: Webhooks):
+    """The agent writes the person's name beside its own answer: the mutating webhook puts
+    the agent's own name there, and an answer that skipped it is refused."""
+    old = _stamped(_reservation(), user=AGENT)
+    forged = _answered(old, "approve", **{CONFIRMED_BY: "alice@acme"})
+    response = await webhooks.call("/stamp", _review("UPDATE", forged, old=old, user=AGENT))
+    ops = json.loads(base64.b64decode(response["patch"]))
+    stamped = jsonpatch.apply_patch(forged, ops)
+    assert stamped["metadata"]["annotations"][CONFIRMED_BY] == AGENT["username"]
+    message = await webhooks.refused(_review("UPDATE", forged, old=old, user=AGENT))
+    assert message.startswith(f"metadata.annotations[{CONFIRMED_BY}]: must be the requesting")
+
+
+async def test_an_answer_cannot_be_given_at_create_nor_its_stamp_changed_later(
+    webhooks: Webhooks,
+):
+    created = _stamped(_reservation(), user=AGENT)
+    created["metadata"]["annotations"].update({CONFIRMATION: "approve", CONFIRMED_BY: "alice"})
+    message = await webhooks.refused(_review("CREATE", created, user=AGENT))
+    assert message.startswith(f"metadata.annotations[{CONFIRMATION}]: cannot be set"), message
+    old = _answered(_stamped(_reservation(), user=AGENT), "approve", **{CONFIRMED_BY: "alice@acme"})
+    moved = copy.deepcopy(old)
+    moved["metadata"]["annotations"][CONFIRMED_BY] = "mallory@acme"
+    message = await webhooks.refused(_review("UPDATE", moved, old=old, user=AGENT))
+    assert message.startswith(f"metadata.annotations[{CONFIRMED_BY}]: is set by the webhook")
+
+
+async def test_an_answer_other_than_approve_or_deny_is_refused(webhooks: Webhooks):
+    old = _stamped(_reservation(), user=AGENT)
+    new = _answered(old, "yes please", **{CONFIRMED_BY: "alice@acme"})
+    message = await webhooks.refused(_review("UPDATE", new, old=old, user=ALICE))
+    assert message.startswith(f"metadata.annotations[{CONFIRMATION}]: must be one of approve, deny")

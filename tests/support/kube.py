@@ -80,6 +80,7 @@ from tests.support.kubeobjects import (
     NAMESPACES,
     RESERVATIONS,
     SECRETS,
+    SERVICE_ACCOUNTS,
     TOKEN_REVIEWS,
     Matcher,
     Ref,
@@ -96,6 +97,7 @@ __all__ = [
     "NAMESPACE_NAME_LABEL",
     "RESERVATIONS",
     "SECRETS",
+    "SERVICE_ACCOUNTS",
     "TOKEN_REVIEWS",
     "ApiServerStandIn",
     "Ref",
@@ -156,6 +158,7 @@ class ApiServerStandIn(kmock.KubernetesEmulator):
         self.declare(NAMESPACES, kind="Namespace", short_names=["ns"], status_subresource=True)
         self.declare(EVENTS, kind="Event", short_names=["ev"])
         self.declare(SECRETS, kind="Secret")
+        self.declare(SERVICE_ACCOUNTS, kind="ServiceAccount", short_names=["sa"])
         self.declare(CLUSTER_KOPF_PEERINGS, kind="ClusterKopfPeering")
         self.declare(KOPF_PEERINGS, kind="KopfPeering")
         self.declare(TOKEN_REVIEWS, kind="TokenReview", verbs=["create"])

@@ -56,6 +56,7 @@ class Ref:
 NAMESPACES = Ref(group="", version="v1", plural="namespaces", namespaced=False)
 EVENTS = Ref(group="", version="v1", plural="events", namespaced=True)
 SECRETS = Ref(group="", version="v1", plural="secrets", namespaced=True)
+SERVICE_ACCOUNTS = Ref(group="", version="v1", plural="serviceaccounts", namespaced=True)
 CLUSTER_KOPF_PEERINGS = Ref(
     group="kopf.dev", version="v1", plural="clusterkopfpeerings", namespaced=False
 )

@@ -18,6 +18,13 @@ TENANT_LABEL = "bcd.dev/tenant"
 REQUESTED_BY = "bcd.dev/requested-by"
 REQUESTED_BY_GROUPS = "bcd.dev/requested-by-groups"
 STAMPS = (REQUESTED_BY, REQUESTED_BY_GROUPS)
+#: On a ServiceAccount: the username of the person this service account is an agent for
+#: (delegated confirmation, ``operator/delegating.py``).
+ACTING_FOR = "bcd.dev/acting-for"
+#: On a Reservation awaiting confirmation: ``approve`` or ``deny``, set by the person; the
+#: mutating webhook stamps who set it in ``CONFIRMED_BY`` (``kubectl annotate`` is enough).
+CONFIRMATION = "bcd.dev/confirmation"
+CONFIRMED_BY = "bcd.dev/confirmed-by"
 #: Each new value renews the reservation's lease once.
 RENEW = "bcd.dev/renew"
 #: A DeviceAllocation's node and reservation, so a node lists only its own.

@@ -20,7 +20,7 @@ from lightkube.resources.certificates_v1 import (
     CertificateSigningRequestApproval,
     CertificateSigningRequestStatus,
 )
-from lightkube.resources.core_v1 import Event, Namespace, Node, Secret
+from lightkube.resources.core_v1 import Event, Namespace, Node, Secret, ServiceAccount
 
 from bettercompute.kube.names import GROUP, VERSION
 
@@ -35,6 +35,7 @@ NAMESPACES = Namespace
 NODES = Node
 EVENTS = Event
 SECRETS = Secret
+SERVICE_ACCOUNTS = ServiceAccount
 MUTATING_WEBHOOKS = MutatingWebhookConfiguration
 VALIDATING_WEBHOOKS = ValidatingWebhookConfiguration
 TOKEN_REVIEWS = TokenReview

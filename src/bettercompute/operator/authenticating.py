@@ -2,9 +2,10 @@
 the operator serves beside its handlers, so the CLI works against a cluster.
 
 Identity: the reviewed user's ``username`` (stable for a service account and for users of an
-OIDC issuer). Tenant: the first group named ``bcd.dev:tenant:<tenant>``; a user in no such
-group is not a caller of any tenant (``None``: 401). The service's pre-check then confines the
-caller to that tenant, as for every other door. Wrap it in ``iam.identities.
+OIDC issuer); a service account annotated ``bcd.dev/acting-for`` is an agent acting for that
+person (``delegating``). Tenant: the first group named ``bcd.dev:tenant:<tenant>``; a user in
+no such group is not a caller of any tenant (``None``: 401). The service's pre-check then
+confines the caller to that tenant, as for every other door. Wrap it in ``iam.identities.
 CachingAuthenticator`` so the API server is asked at most once per token every 30 seconds.
 
 What it must never do: accept a token the API server did not vouch for, or turn an unreachable
@@ -17,6 +18,7 @@ import logging
 
 from bettercompute.core import ports
 from bettercompute.kube.client import KubeClient, KubeError
+from bettercompute.operator.delegating import Delegations
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +28,16 @@ TENANT_GROUP_PREFIX = "bcd.dev:tenant:"
 class TokenReviewAuthenticator:
     """``ports.Authenticator`` over the API server's TokenReview."""
 
-    def __init__(self, kube: KubeClient, *, tenant_group_prefix: str = TENANT_GROUP_PREFIX):
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        tenant_group_prefix: str = TENANT_GROUP_PREFIX,
+        delegations: Delegations | None = None,
+    ):
         self.kube = kube
         self.prefix = tenant_group_prefix
+        self.delegations = delegations or Delegations(kube)
 
     async def authenticate(self, token: str) -> ports.Caller | None:
         try:
@@ -47,6 +56,12 @@ class TokenReviewAuthenticator:
         kind: ports.CallerKind = (
             "service" if str(username).startswith("system:serviceaccount:") else "user"
         )
-        return ports.Caller(
+        caller = ports.Caller(
             identity_id=str(username), tenant_id=tenants[0], kind=kind, groups=tuple(groups)
         )
+        try:
+            # A service account annotated bcd.dev/acting-for is an agent for that person.
+            return await self.delegations.caller(caller)
+        except KubeError as e:
+            log.warning("cannot read the delegation of %s: %s", username, e)
+            return None

@@ -125,12 +125,20 @@ def make_registry(
         labels = _first(kwargs["namespace_labels"], namespace or "")
         await _runtime(memo).door.deleted(body, tenant_labels=labels)
 
-    @kopf.on.mutate(*RESERVATIONS, id="stamp", operations=["CREATE"], registry=registry)
-    def reservation_stamped(patch: kopf.Patch, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
-        if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
+    @kopf.on.mutate(*RESERVATIONS, id="stamp", operations=["CREATE", "UPDATE"], registry=registry)
+    def reservation_stamped(
+        patch: kopf.Patch, userinfo: kopf.UserInfo, body: kopf.Body, **kwargs: Any
+    ) -> None:
+        # kopf's server does not filter by operation: both are checked here.
+        operation = kwargs.get("operation")
+        if operation == "CREATE":
+            stamped = webhooks.stamps(dict(userinfo))
+        elif operation == "UPDATE":
+            stamped = webhooks.confirmation_stamp(dict(userinfo), body, kwargs.get("old"))
+        else:
             return
-        annotations = patch.setdefault("metadata", {}).setdefault("annotations", {})
-        annotations.update(webhooks.stamps(dict(userinfo)))
+        if stamped:
+            patch.setdefault("metadata", {}).setdefault("annotations", {}).update(stamped)
 
     @kopf.on.validate(*RESERVATIONS, id="check", operations=["CREATE", "UPDATE"], registry=registry)
     def reservation_checked(userinfo: kopf.UserInfo, body: kopf.Body, **kwargs: Any) -> None:

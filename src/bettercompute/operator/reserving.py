@@ -26,6 +26,7 @@ from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.kube import names
 from bettercompute.kube.client import KubeClient
 from bettercompute.operator import definitions, statuses
+from bettercompute.operator.delegating import Delegations
 from bettercompute.operator.projecting import Projector
 from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
@@ -46,10 +47,18 @@ TERMINAL = frozenset(s.value for s in states.TERMINAL)
 class ReservationDoor:
     """The Reservation resource as a door onto the reservation service."""
 
-    def __init__(self, *, service: ReservationService, projector: Projector, kube: KubeClient):
+    def __init__(
+        self,
+        *,
+        service: ReservationService,
+        projector: Projector,
+        kube: KubeClient,
+        delegations: Delegations | None = None,
+    ):
         self.service = service
         self.projector = projector
         self.kube = kube
+        self.delegations = delegations or Delegations(kube)
         self.owners = ReservationOwners(service.db)
         #: Create handler runs that called the service (a replica that stood by made none).
         self.admissions = 0
@@ -71,7 +80,7 @@ class ReservationDoor:
                 return None
         try:
             tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
-            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+            caller = await self._caller(meta, tenant)
             request = definitions.create_request(
                 body.get("spec") or {}, tenant_id=tenant, uid=str(meta.get("uid"))
             )
@@ -103,7 +112,7 @@ class ReservationDoor:
             return await self.admit(body, tenant_labels=tenant_labels)
         try:
             tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
-            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+            caller = await self._caller(meta, tenant)
         except ComputeError as e:
             return await self._refuse(body, e, operation="update")
         if (taken := await self._taken(body, str(rid))) is not None:
@@ -184,10 +193,16 @@ class ReservationDoor:
             return
         try:
             tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
-            caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+            caller = await self._caller(meta, tenant)
             await self.service.release(caller, {"tenantId": tenant, "reservationId": rid})
         except ComputeError as e:
             await self._event(body, "ReleaseRefused", f"{e.code.value}: {e.message}")
+
+    async def _caller(self, meta: Mapping[str, Any], tenant: str) -> ports.Caller:
+        """The stamped requester; an agent acting for its person when its service account
+        says so (a ``KubeError`` propagates: kopf tries the handler again)."""
+        caller = definitions.caller(meta.get("annotations") or {}, tenant_id=tenant)
+        return await self.delegations.caller(caller)
 
     # --- ownership -----------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from bettercompute.operator import certificates, handlers, nodeca, nodecerts, we
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.delegating import Delegations
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.operator.runtime import Runtime
@@ -226,6 +227,7 @@ async def started(
         nodes = NodeService(db)
         objects = Objects()
         projector = Projector(service=service, nodes=nodes, kube=kube, objects=objects)
+        delegations = Delegations(kube)
         allocations = AllocationSync(
             service=service,
             nodes=nodes,
@@ -243,7 +245,9 @@ async def started(
             objects=objects,
             projector=projector,
             allocations=allocations,
-            door=ReservationDoor(service=service, projector=projector, kube=kube),
+            door=ReservationDoor(
+                service=service, projector=projector, kube=kube, delegations=delegations
+            ),
             signer=nodecerts.NodeSigner(
                 kube=kube,
                 agent=nodecerts.agent_username(config.namespace, config.node_agent_service_account),
@@ -322,7 +326,9 @@ async def started(
         app = make_app(
             service=service,
             authenticator=TokenReviewAuthenticator(
-                kube, tenant_group_prefix=config.tenant_group_prefix
+                kube,
+                tenant_group_prefix=config.tenant_group_prefix,
+                delegations=delegations,
             ),
             ready=is_ready,
             metrics_token=serving.metrics_token_from_env(),

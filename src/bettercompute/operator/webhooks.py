@@ -5,6 +5,11 @@
 - The validating webhook refuses a create whose stamp is not the requesting user's (a forged
   stamp, or one made before the mutating webhook ran), an update that changes a stamp or an
   immutable ``spec`` field, and a spec the core would refuse, naming the field and the reason.
+- A person answers a confirmation by annotating the Reservation ``bcd.dev/confirmation:
+  approve`` (or ``deny``). The mutating webhook stamps who did in ``bcd.dev/confirmed-by``;
+  the validating webhook refuses an answer whose stamp is not the requesting user's, and both
+  annotations on a create (nobody may answer a question before it is asked). Whether that user
+  may answer is the service's decision: only the person the confirmation names can.
 
 Why here and not only in the CRD schema: the schema cannot know who asked, and the core's
 rules (a mig device needs a profile, nvlink-all only for whole GPUs, a window that ends by
@@ -29,6 +34,9 @@ from bettercompute.operator import definitions
 _ANY_TENANT = "tenant"
 _ANY_KEY = "key"
 
+#: What a person may write in ``bcd.dev/confirmation``.
+CONFIRMATION_ANSWERS = ("approve", "deny")
+
 
 def stamps(userinfo: Mapping[str, Any]) -> dict[str, str]:
     """The annotations that record who asked, from the API server's ``userInfo``."""
@@ -36,6 +44,19 @@ def stamps(userinfo: Mapping[str, Any]) -> dict[str, str]:
         names.REQUESTED_BY: str(userinfo.get("username") or ""),
         names.REQUESTED_BY_GROUPS: json.dumps(sorted(userinfo.get("groups") or [])),
     }
+
+
+def confirmation_stamp(
+    userinfo: Mapping[str, Any], new: Mapping[str, Any] | None, old: Mapping[str, Any] | None
+) -> dict[str, str]:
+    """On an update that sets or changes ``bcd.dev/confirmation``: who set it."""
+    if new is None or old is None:
+        return {}
+    if _annotation(new, names.CONFIRMATION) == _annotation(old, names.CONFIRMATION):
+        return {}
+    if _annotation(new, names.CONFIRMATION) is None:
+        return {}
+    return {names.CONFIRMED_BY: str(userinfo.get("username") or "")}
 
 
 def refusal(
@@ -52,6 +73,12 @@ def refusal(
     if operation == "CREATE":
         if not userinfo.get("username"):
             return "the request carries no user: the API server must authenticate it"
+        for key in (names.CONFIRMATION, names.CONFIRMED_BY):
+            if key in annotations:
+                return (
+                    f"metadata.annotations[{key}]: cannot be set on a new Reservation; the "
+                    "person answers once the reservation awaits confirmation"
+                )
         expected = stamps(userinfo)
         for key, value in expected.items():
             if annotations.get(key) != value:
@@ -65,6 +92,8 @@ def refusal(
         for key in names.STAMPS:
             if annotations.get(key) != old_annotations.get(key):
                 return f"metadata.annotations[{key}]: is immutable"
+        if (problem := _confirmation_problem(userinfo, annotations, old_annotations)) is not None:
+            return problem
         old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
         for field in sorted(set(old_spec) | set(new_spec)):
             if field in names.MUTABLE_SPEC:
@@ -73,6 +102,38 @@ def refusal(
                 return f"spec.{field}: is immutable; make a new Reservation instead"
         return mutable_problem(new_spec)
     return None
+
+
+def _confirmation_problem(
+    userinfo: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any]
+) -> str | None:
+    answer = new.get(names.CONFIRMATION)
+    if answer == old.get(names.CONFIRMATION):
+        if new.get(names.CONFIRMED_BY) != old.get(names.CONFIRMED_BY):
+            return (
+                f"metadata.annotations[{names.CONFIRMED_BY}]: is set by the webhook when "
+                f"{names.CONFIRMATION} changes"
+            )
+        return None
+    if answer is None:
+        return None  # taking an answer back changes nothing already decided
+    if answer not in CONFIRMATION_ANSWERS:
+        return (
+            f"metadata.annotations[{names.CONFIRMATION}]: must be one of "
+            f"{', '.join(CONFIRMATION_ANSWERS)}, not {answer!r}"
+        )
+    user = str(userinfo.get("username") or "")
+    if new.get(names.CONFIRMED_BY) != user:
+        return (
+            f"metadata.annotations[{names.CONFIRMED_BY}]: must be the requesting user's "
+            f"({user!r}); it is set by the mutating webhook and cannot be chosen"
+        )
+    return None
+
+
+def _annotation(obj: Mapping[str, Any], key: str) -> str | None:
+    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
+    return None if value is None else str(value)
 
 
 def spec_problem(spec: Mapping[str, Any]) -> str | None:
