@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bettercompute.core import answers, ids
+from bettercompute.store import outbox
 from bettercompute.store.database import Database
 
 _SUBSCRIPTION = (
@@ -55,14 +56,15 @@ async def create(
     secret: str,
 ) -> answers.Subscription | None:
     """A new active subscription, with its secret; ``None`` when the tenant does not exist. It
-    sees the events committed from now on."""
+    sees the events after the outbox's frontier now (``store/outbox.py``): those committed from
+    now on, and any already committed past the frontier."""
     async with db.transaction() as conn:
         row = await (
             await conn.execute(
                 "INSERT INTO event_subscriptions"
                 " (id, tenant_id, url, event_types, secret, created_by, from_event_id)"
                 " SELECT %s, t.id, %s, %s, %s, %s,"
-                "        (SELECT coalesce(max(id), 0) FROM outbox)"
+                f"        {outbox.FRONTIER}"
                 "   FROM tenants t WHERE t.id = %s"
                 f" RETURNING {_SUBSCRIPTION}",
                 (
@@ -169,8 +171,9 @@ async def deliveries(
 
 async def fan_out(db: Database, *, subscriber: str, limit: int = 500) -> int:
     """Write a pending delivery for each active subscription matching each of the next
-    ``limit`` outbox events after ``subscriber``'s cursor, and move the cursor past them, in one
-    transaction. Returns how many events were read (0: caught up)."""
+    ``limit`` outbox events after ``subscriber``'s cursor, up to the frontier (never past an id
+    whose transaction may still commit, ``store/outbox.py``), and move the cursor past them, in
+    one transaction. Returns how many events were read (0: caught up)."""
     async with db.transaction() as conn:
         await conn.execute(
             "INSERT INTO outbox_cursors (subscriber) VALUES (%s) ON CONFLICT DO NOTHING",
@@ -186,7 +189,8 @@ async def fan_out(db: Database, *, subscriber: str, limit: int = 500) -> int:
         span = await (
             await conn.execute(
                 "SELECT count(*) AS n, coalesce(max(id), %s) AS last FROM"
-                " (SELECT id FROM outbox WHERE id > %s ORDER BY id LIMIT %s) AS batch",
+                f" (SELECT id FROM outbox WHERE id > %s AND id <= {outbox.FRONTIER}"
+                "   ORDER BY id LIMIT %s) AS batch",
                 (after, after, limit),
             )
         ).fetchone()
