@@ -23,7 +23,7 @@ from typing import Any
 
 from bettercompute.core import ports, states
 from bettercompute.core.errors import ComputeError, ErrorCode
-from bettercompute.kube import names
+from bettercompute.kube import names, resources
 from bettercompute.kube.client import KubeClient
 from bettercompute.operator import definitions, statuses
 from bettercompute.operator.delegating import Delegations
@@ -87,6 +87,8 @@ class ReservationDoor:
             self.admissions += 1
             view = await self.service.create(caller, request)
         except ComputeError as e:
+            if e.code is ErrorCode.CONFIRMATION_REQUIRED and e.details.get("reservationId"):
+                return await self._awaiting(body, e, person=caller.on_behalf_of)
             return await self._refuse(body, e, operation="create")
         # The create answered the stored reservation this key names, which may be another
         # object's: claim it before showing it.
@@ -118,6 +120,10 @@ class ReservationDoor:
         if (taken := await self._taken(body, str(rid))) is not None:
             return await self._refuse(body, taken, operation="update", disown=True)
         target = {"tenantId": tenant, "reservationId": rid}
+        if status.get("state") == states.State.AWAITING_CONFIRMATION.value:
+            answered = await self._answer(body, tenant)
+            if answered:  # decided: the agent's request is admitted again, at once
+                return await self._readmit(body, caller, tenant)
         if spec.get("release") is True and status.get("state") not in TERMINAL:
             return await self._call(body, "release", caller, target)
         extension = status.get("extension") or {}
@@ -169,6 +175,97 @@ class ReservationDoor:
         except ComputeError as e:
             return await self._refuse(body, e, operation=operation, extra=extra)
         await self._show(body, view, extra=extra, keep_refusal=False)
+        return None
+
+    # --- delegated confirmation ----------------------------------------------------------------
+
+    async def _awaiting(
+        self, body: Mapping[str, Any], error: ComputeError, *, person: str | None
+    ) -> float | None:
+        """The agent's request waits for its person: show the reservation awaiting
+        confirmation, and say in an Event who answers and how."""
+        rid = str(error.details["reservationId"])
+        if (taken := await self._taken(body, rid)) is not None:
+            return await self._refuse(body, taken, operation="create", disown=True)
+        view = await self.service.snapshot(rid)
+        if view is None:  # gone between the answer and the read: try again shortly
+            return RETRY_AFTER_S[ErrorCode.CONFIRMATION_REQUIRED]
+        confirmation = {
+            "id": str(error.details.get("confirmationId") or ""),
+            "person": person or "",
+        }
+        expires = error.details.get("expiresAt")
+        if expires is not None and (shown := statuses.rfc3339(int(expires))) is not None:
+            confirmation["expiresAt"] = shown
+        await self._show(body, view, extra={"confirmation": confirmation}, keep_refusal=False)
+        meta = body.get("metadata") or {}
+        await self.kube.post_event(
+            involved=body,
+            type_="Normal",
+            reason="ConfirmationRequired",
+            message=(
+                f"{person or 'the person this agent acts for'} must confirm this request before "
+                f"{confirmation.get('expiresAt', 'its deadline')}: kubectl annotate reservation "
+                f"{meta.get('name')} -n {meta.get('namespace')} {names.CONFIRMATION}=approve"
+                " (or =deny)"
+            ),
+            namespace=meta.get("namespace", "default"),
+        )
+        return None
+
+    async def _answer(self, body: Mapping[str, Any], tenant: str) -> bool:
+        """Pass a new ``bcd.dev/confirmation`` answer to the service as the user the webhook
+        stamped; ``True`` once it is decided. Whether that user may answer is the service's
+        call: anyone but the person is refused (a Warning Event and the Refused condition)."""
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        annotations = meta.get("annotations") or {}
+        answer, by = annotations.get(names.CONFIRMATION), annotations.get(names.CONFIRMED_BY)
+        confirmation = dict(status.get("confirmation") or {})
+        if answer not in ("approve", "deny") or not by or not confirmation.get("id"):
+            return False
+        seen = f"{answer} by {by}"
+        if confirmation.get("answer") == seen:
+            return False  # acted on already: a refusal is not repeated at every change
+        confirmation["answer"] = seen
+        person = ports.Caller(identity_id=str(by), tenant_id=tenant, kind="user")
+        call = (
+            self.service.confirmations_approve
+            if answer == "approve"
+            else self.service.confirmations_deny
+        )
+        try:
+            await call(person, {"tenantId": tenant, "confirmationId": confirmation["id"]})
+        except ComputeError as e:
+            await self._refuse(body, e, operation="confirm", extra={"confirmation": confirmation})
+            return False
+        await self.kube.patch(
+            resources.RESERVATIONS,
+            meta["name"],
+            {"status": {"confirmation": confirmation}},
+            namespace=meta["namespace"],
+            status=True,
+        )
+        return True
+
+    async def _readmit(
+        self, body: Mapping[str, Any], caller: ports.Caller, tenant: str
+    ) -> float | None:
+        """The agent's same request again, with the same key: placed after an approval,
+        denied after a denial."""
+        meta = body.get("metadata") or {}
+        try:
+            request = definitions.create_request(
+                body.get("spec") or {}, tenant_id=tenant, uid=str(meta.get("uid"))
+            )
+            self.admissions += 1
+            view = await self.service.create(caller, request)
+        except ComputeError as e:
+            rid = str((body.get("status") or {}).get("id") or "")
+            view_after = await self.service.snapshot(rid) if rid else None
+            if view_after is not None:
+                await self._show(body, view_after)
+            return await self._refuse(body, e, operation="create")
+        await self._show(body, view, keep_refusal=False)
         return None
 
     # --- delete --------------------------------------------------------------------------------
