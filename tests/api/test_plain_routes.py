@@ -29,6 +29,9 @@ OPERATION_PATHS = {
     "/api/compute/events/subscriptions/list": "SubscriptionListInput",
     "/api/compute/events/subscriptions/delete": "SubscriptionDeleteInput",
     "/api/compute/events/deliveries/list": "DeliveryListInput",
+    "/api/compute/confirmations/list": "ConfirmationListInput",
+    "/api/compute/confirmations/approve": "ConfirmationDecisionInput",
+    "/api/compute/confirmations/deny": "ConfirmationDecisionInput",
 }
 
 

@@ -73,6 +73,8 @@ ANSWERS: Mapping[str, Any] = {
         "Subscription",
         "SubscriptionList",
         "DeliveryList",
+        "Confirmation",
+        "ConfirmationList",
     )
 }
 

@@ -156,6 +156,27 @@ OPERATIONS: tuple[Operation, ...] = (
         answer="DeliveryList",
         summary="A subscription's delivery log: per event its attempts, status and state",
     ),
+    Operation(
+        name="confirmations.list",
+        method="confirmations_list",
+        model=requests.ConfirmationListInput,
+        answer="ConfirmationList",
+        summary="Confirmations naming the caller: as the person to ask, or the agent that asked",
+    ),
+    Operation(
+        name="confirmations.approve",
+        method="confirmations_approve",
+        model=requests.ConfirmationDecisionInput,
+        answer="Confirmation",
+        summary="Approve what an agent asked for you; its retry with the same key proceeds",
+    ),
+    Operation(
+        name="confirmations.deny",
+        method="confirmations_deny",
+        model=requests.ConfirmationDecisionInput,
+        answer="Confirmation",
+        summary="Deny what an agent asked for you; the reservation is denied",
+    ),
 )
 
 BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}

@@ -293,6 +293,31 @@ class DeliveryList(TypedDict):
     items: list[Delivery]
 
 
+@with_config(_CLOSED)
+class Confirmation(TypedDict):
+    """A person's confirmation of what an agent acting for them asked (delegated confirmation)."""
+
+    id: Annotated[str, Field(pattern="^cnf_")]
+    tenantId: str
+    reservationId: str
+    action: Annotated[str, Field(description="The action held, e.g. compute:reservations:create.")]
+    personId: Annotated[str, Field(description="Who may approve or deny it.")]
+    agentId: Annotated[str, Field(description="The agent that asked, acting for the person.")]
+    state: Literal["pending", "approved", "denied", "expired"]
+    request: Annotated[dict[str, Any], Field(description="The reservation's request as stored.")]
+    createdAt: Ms
+    expiresAt: Annotated[int, Field(description="The deadline, epoch milliseconds.")]
+    decidedAt: Ms | None
+    decidedBy: str | None
+
+
+@with_config(_CLOSED)
+class ConfirmationList(TypedDict):
+    """Confirmations naming the caller as the person or as the agent, newest first."""
+
+    items: list[Confirmation]
+
+
 class AuthorizationRow(TypedDict):
     """What a read, release or extend decision sees of a stored reservation and its pool."""
 

@@ -249,6 +249,8 @@ EventType = Literal[
     "reservation.failed",
     "reservation.released",
     "reservation.cancelled",
+    "reservation.awaiting-confirmation",
+    "reservation.expired",
 ]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 #: What a subscription's URL must look like: http or https, a host, then a path, query or
@@ -306,6 +308,27 @@ class DeliveryListInput(_Input):
     subscriptionId: ObjectId
     state: DeliveryState | None = None
     limit: StrictInt = Field(default=100, ge=1, le=500)
+
+
+# --- delegated confirmation ---------------------------------------------------------------------
+
+ConfirmationState = Literal["pending", "approved", "denied", "expired"]
+
+
+class ConfirmationListInput(_Input):
+    """``confirmations.list``: the caller's confirmations, as the person asked and as the agent
+    that asked, newest first."""
+
+    tenantId: TenantId
+    state: ConfirmationState | None = None
+    limit: StrictInt = Field(default=50, ge=1, le=200)
+
+
+class ConfirmationDecisionInput(_Input):
+    """``confirmations.approve`` and ``confirmations.deny``: the person's answer to one."""
+
+    tenantId: TenantId
+    confirmationId: ObjectId
 
 
 M = TypeVar("M", bound=BaseModel)

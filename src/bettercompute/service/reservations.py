@@ -30,6 +30,7 @@ from bettercompute.store import (
     admission,
     budgets,
     capacity,
+    confirmations,
     extending,
     holding,
     outbox,
@@ -71,6 +72,8 @@ GIVE_BACK_WAIT_S = 0.25
 #: How long giving back is retried in the background: the longest age limit (an extend hold's
 #: 60 s), after which the claim or hold is free anyway.
 GIVE_BACK_FOR_S = 60.0
+#: The longest a person is given to confirm what an agent asked (the guide's clamp).
+CONFIRMATION_DEADLINE_MAX = dt.timedelta(minutes=30)
 
 
 #: Events of one tenant, oldest first (``store.outbox.tenant_events_after``'s rows).
@@ -89,8 +92,13 @@ class ReservationService:
         root_tenant_id: str | None = None,
         holder: holding.Holder | None = None,
         attestation: attestation_.Attestation | None = None,
+        confirmation_deadline: dt.timedelta = CONFIRMATION_DEADLINE_MAX,
     ):
         self.db = db
+        if confirmation_deadline <= dt.timedelta(0):
+            raise ValueError("confirmation_deadline must be positive")
+        # How long a person has to confirm what an agent asked: configurable lower, never more.
+        self.confirmation_deadline = min(confirmation_deadline, CONFIRMATION_DEADLINE_MAX)
         self.policy = policy
         self.budget = budget
         self.root_tenant_id = root_tenant_id
@@ -251,7 +259,15 @@ class ReservationService:
                 holder=await self.holder.current(),
             )
             if isinstance(step, admission.Existing):
-                return await self._view(rid)
+                stored = await self._view(rid)
+                if stored["state"] == states.State.EXPIRED:
+                    # Its confirmation's deadline passed (the reconciler saw it first): a late
+                    # retry fails as the one that finds the deadline passed does.
+                    found = await confirmations.find(
+                        self.db, reservation_id=rid, action=ports.CREATE
+                    )
+                    raise _expired(rid, None if found is None else found.id)
+                return stored
             if isinstance(step, admission.Draft):
                 break
             # Busy: another replica is admitting this key right now.
@@ -276,14 +292,27 @@ class ReservationService:
                 pool=_relation(draft.pool),
             )
         )
-        context = {
+        context: dict[str, Any] = {
             "decision": "allow" if decision.allowed else "deny",
             "reasons": list(decision.reasons),
             "errors": list(decision.errors),
             "attributes": draft.attributes,
             "requestHash": request_hash,
         }
-        if not decision.allowed:
+        if (
+            not decision.allowed
+            and decision.held_for_confirmation
+            and caller.on_behalf_of is not None
+        ):
+            # Held for the person the agent acts for: returns only once they approved.
+            approval = await self._confirmed(caller, draft, tenant, request_hash, context)
+            context = {
+                **context,
+                "decision": "allow",
+                "confirmationId": approval.id,
+                "approvedBy": approval.decided_by,
+            }
+        elif not decision.allowed:
             await admission.deny(
                 self.db, draft=draft, actor=caller.identity_id, tenant_id=tenant, context=context
             )
@@ -330,6 +359,92 @@ class ReservationService:
                 ),
             )
             raise
+
+    async def _confirmed(
+        self,
+        caller: ports.Caller,
+        draft: admission.Draft,
+        tenant: str,
+        request_hash: str,
+        context: Mapping[str, Any],
+    ) -> confirmations.Found:
+        """A refusal the person may lift, for an agent acting for them (we hold the claim).
+
+        Returns the approval when the person gave it before its deadline. Otherwise raises,
+        the claim given back: ``CONFIRMATION_REQUIRED`` with a new confirmation (the draft
+        awaiting it) or the same one still pending; ``ACCESS_DENIED`` when the person denied
+        it (the draft denied); ``INVALID_STATE`` past the deadline (the reservation expired).
+        """
+        rid = draft.reservation_id
+        assert caller.on_behalf_of is not None
+        give_back = functools.partial(
+            admission.abandon,
+            self.db,
+            draft=draft,
+            actor=caller.identity_id,
+            tenant_id=tenant,
+            outcome=ErrorCode.CONFIRMATION_REQUIRED.value,
+        )
+        try:
+            found = await confirmations.find(self.db, reservation_id=rid, action=ports.CREATE)
+            if found is None:
+                opened = await confirmations.open_(
+                    self.db,
+                    tenant_id=tenant,
+                    reservation_id=rid,
+                    idempotency_id=draft.idempotency_id,
+                    claim=draft.claim,
+                    action=ports.CREATE,
+                    person_id=caller.on_behalf_of,
+                    agent_id=caller.identity_id,
+                    request_hash=request_hash,
+                    deadline=self.confirmation_deadline,
+                    context=context,
+                )
+                raise _confirmation_required(opened, rid, caller.on_behalf_of)
+        except ComputeError:
+            raise  # opened (the claim given back with it), or the claim was taken over
+        except BaseException:
+            await self._give_back(
+                f"the claim of {rid}", functools.partial(give_back, context=context)
+            )
+            raise
+        audited = {**context, "confirmationId": found.id}
+        if found.request_hash != request_hash:
+            # Cannot happen while the key's request hash is fixed; never let an approval cover
+            # another request if it ever could.
+            await self._give_back(
+                f"the claim of {rid}", functools.partial(give_back, context=audited)
+            )
+            raise ComputeError(
+                ErrorCode.CONFLICT,
+                "the confirmation was asked for a different request",
+                {"reservationId": rid, "confirmationId": found.id},
+            )
+        if found.state == "denied":
+            await admission.deny(
+                self.db,
+                draft=draft,
+                actor=caller.identity_id,
+                tenant_id=tenant,
+                context={**audited, "deniedBy": found.decided_by},
+            )
+            raise errors.access_denied(
+                f"{found.decided_by} denied this request",
+                reservationId=rid,
+                confirmationId=found.id,
+            )
+        if found.past_deadline or found.state == "expired":
+            await confirmations.expire_late(
+                self.db, reservation_id=rid, idempotency_id=draft.idempotency_id, claim=draft.claim
+            )
+            raise _expired(rid, found.id)
+        if found.state == "pending":
+            await self._give_back(
+                f"the claim of {rid}", functools.partial(give_back, context=audited)
+            )
+            raise _confirmation_required(found, rid, caller.on_behalf_of)
+        return found
 
     async def _check_budget(
         self, caller: ports.Caller, tenant: str, attrs: Mapping[str, Any]
@@ -700,6 +815,60 @@ class ReservationService:
         )
         return {"items": items}
 
+    # --- delegated confirmation -----------------------------------------------------------
+
+    async def confirmations_list(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.ConfirmationList:
+        """``confirmations.list``: the confirmations naming the caller, as the person asked or
+        as the agent that asked, newest first (``state`` filters)."""
+        value = requests.parse(requests.ConfirmationListInput, data)
+        self._precheck(caller, value.tenantId)
+        items = await confirmations.list_for(
+            self.db,
+            tenant_id=value.tenantId,
+            identity_id=caller.identity_id,
+            state=value.state,
+            limit=value.limit,
+        )
+        return {"items": items}
+
+    async def confirmations_approve(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.Confirmation:
+        """``confirmations.approve``: the person named says yes; the agent's retry with the
+        same key is then placed. Approving twice answers the same; after a denial or past the
+        deadline it is ``INVALID_STATE``; anyone but the person is ``ACCESS_DENIED``."""
+        return await self._decide_confirmation(caller, data, "approved")
+
+    async def confirmations_deny(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.Confirmation:
+        """``confirmations.deny``: the person named says no; the reservation is denied and the
+        agent's key stays refused. Denying twice answers the same; after an approval or past
+        the deadline it is ``INVALID_STATE``; anyone but the person is ``ACCESS_DENIED``."""
+        return await self._decide_confirmation(caller, data, "denied")
+
+    async def _decide_confirmation(
+        self, caller: ports.Caller, data: Mapping[str, Any], verdict: confirmations.Verdict
+    ) -> answers.Confirmation:
+        value = requests.parse(requests.ConfirmationDecisionInput, data)
+        self._precheck(caller, value.tenantId)
+        decided = await confirmations.decide(
+            self.db,
+            tenant_id=value.tenantId,
+            confirmation_id=value.confirmationId,
+            person_id=caller.identity_id,
+            verdict=verdict,
+        )
+        if decided is None:
+            # Another tenant's, another person's or none at all: one answer, nothing leaks.
+            raise errors.access_denied(
+                f"there is no confirmation {value.confirmationId} for you to decide",
+                confirmationId=value.confirmationId,
+            )
+        return decided
+
     async def search(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``capacity.search``: the earliest windows a create would fit in, booking nothing.
 
@@ -781,6 +950,26 @@ def _verify_binding(
         reservation_id=reservation_id,
         now=now,
         revoked=revoked,
+    )
+
+
+def _confirmation_required(found: confirmations.Found, rid: str, person_id: str) -> ComputeError:
+    return ComputeError(
+        ErrorCode.CONFIRMATION_REQUIRED,
+        f"{person_id} must confirm this request: ask them to run 'better-compute confirmations"
+        f" approve {found.id}', then send the same request again with the same idempotency key",
+        {"confirmationId": found.id, "expiresAt": found.expires_at_ms, "reservationId": rid},
+    )
+
+
+def _expired(rid: str, confirmation_id: str | None) -> ComputeError:
+    details: dict[str, Any] = {"reservationId": rid, "state": states.State.EXPIRED.value}
+    if confirmation_id is not None:
+        details["confirmationId"] = confirmation_id
+    return errors.invalid_state(
+        "the request expired: it was not confirmed before its deadline; make a new request"
+        " with a new idempotency key",
+        **details,
     )
 
 

@@ -19,7 +19,7 @@ import datetime as dt
 
 from bettercompute.core import lifecycle, placement, states
 from bettercompute.core.states import State
-from bettercompute.store import clock, journal, locking, placing, quotas, releasing
+from bettercompute.store import clock, confirmations, journal, locking, placing, quotas, releasing
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row, jsonb
 
@@ -73,6 +73,11 @@ async def reconcile(conn: Conn, reservation_id: str) -> None:
     row = await locking.lock_reservation(conn, reservation_id, pool_lock=True)
     if row is None:
         return
+    if row["state"] == State.AWAITING_CONFIRMATION:
+        # Only its confirmation's deadline can be due (woken then); core.lifecycle has no step
+        # for a reservation that holds nothing.
+        await confirmations.expire_due(conn, reservation_id)
+        return
     now = await clock.current_time(conn)
     reservation = await _snapshot(conn, row)
     allocations = await _allocations(conn, row["id"], reservation.state)
@@ -88,7 +93,8 @@ async def _settled(conn: Conn, reservation_id: str) -> bool:
     of the pool; under steady load the queue fell minutes behind. Safe unlocked: a terminal
     state never changes, and a released reservation needs the reconciler only while an
     allocation is still ``releasing`` (its devices held), which is set before or with the
-    release, never after. Drafts wait on their request, not on the reconciler.
+    release, never after. Drafts wait on their request, not on the reconciler; a reservation
+    awaiting confirmation needs it at its deadline (``store.confirmations.expire_due``).
     """
     row = await (
         await conn.execute(
@@ -100,8 +106,10 @@ async def _settled(conn: Conn, reservation_id: str) -> bool:
     if row is None:
         return True
     state = State(row["state"])
-    if state in (State.DRAFT, State.AWAITING_CONFIRMATION):
+    if state == State.DRAFT:
         return True
+    if state == State.AWAITING_CONFIRMATION:
+        return False  # its confirmation may have passed its deadline
     return state in states.TERMINAL and not row["held"]
 
 
