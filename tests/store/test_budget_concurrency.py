@@ -1,10 +1,16 @@
 """The built-in budget under concurrency: creates and extends checked at the same moment never
-admit more GPU-hours than the budget, and the ones refused answer ``SPEND_LIMIT_REACHED``."""
+admit more GPU-hours than the budget, and the ones refused answer ``SPEND_LIMIT_REACHED``.
+
+The budget counts used + still-booked hours (``bc_budget_state``): nothing here is bound, so
+everything admitted is booked from now on, and the wall clock running during a test takes a
+little off it; figures are compared to within a few seconds' worth."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import pytest
 
 from bettercompute.core.errors import ComputeError
 from bettercompute.service.reservations import ReservationService
@@ -46,7 +52,7 @@ async def test_parallel_creates_never_overrun_the_budget(db: Database, make_serv
     assert len(admitted) == 3, results
     assert {e.code.value for e in refused} == {"SPEND_LIMIT_REACHED"}
     assert all("GPU-hours" in e.message for e in refused)
-    assert await spent(db) == 3 * 144
+    assert await spent(db) == pytest.approx(3 * 144, abs=0.05)
     # A refused draft stays: its key is decided again once the budget allows it.
     await inventory.set_budget(db, tenant_id="acme", gpu_hours=2000, window_seconds=86_400 * 7)
     again = await one(next(i for i, r in enumerate(results) if isinstance(r, ComputeError)))
@@ -62,14 +68,17 @@ async def test_one_after_another_the_fourth_is_refused(db: Database, service: Re
         "SPEND_LIMIT_REACHED",
         service.create(caller(), create_input(idempotencyKey="s3", **ASK)),
     )
-    assert err.message == (
-        "the tenant's budget of 500 GPU-hours per window is spent (432.000 used, 144.000 asked)"
+    assert err.message.startswith(
+        "the tenant's budget of 500 GPU-hours per window is spent (0.000 used, 43"
     )
+    assert err.message.endswith(" booked, 144.000 asked)")
     assert isinstance(err.details["resetsAt"], int)
 
 
 async def test_parallel_extends_never_overrun_the_budget(db: Database, make_service: Any):
-    await acme(db, gpus=64, nodes=4, policy=METER)
+    # Only 'drain' checks extends against the budget.
+    await acme(db, gpus=64, nodes=4)
+    await inventory.set_offer(db, pool_id="pool_a", tenant_id="acme", on_budget_exceeded="drain")
     await inventory.set_budget(db, tenant_id="acme", gpu_hours=100, window_seconds=86_400)
     replicas = [make_service(), make_service()]
     views = [

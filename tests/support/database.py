@@ -26,6 +26,8 @@ _TABLES = (
     "audit_log, outbox, outbox_cursors, work_queue, extend_holds, authz_resources, bookings,"
     " allocations, idempotency, reservations, atoms, nodes, budgets, quotas, offers, pools,"
     " tenants, node_certificate_revocations, revoked_certificates"
+    # The usage ledger (migration 0011) keeps no foreign keys: the ledger outlives what it bills.
+    ", usage_intervals, usage_totals, atom_health_changes"
 )
 
 

@@ -25,6 +25,10 @@ What is measured:
   there are and however often they come, and concurrent scrapes share one read. The read
   aggregates every reservation row, so an unauthenticated ``/metrics`` hammered in a loop would
   otherwise be a full-table scan per request.
+* ``bettercompute_billed_gpu_seconds_total{pool, tenant}``: GPU-equivalent seconds billed so
+  far by the usage ledger (a GPU 1, a MIG instance 1/7, a slot 1/replicas), read the same way.
+  A counter whose value is the ledger's own total, so every replica reports the same figure
+  and a restart does not reset it: aggregate it with ``max``, not ``sum``, across replicas.
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
 * ``bettercompute_webhook_certificate_expiry_timestamp_seconds``: told by the operator, which
   serves the admission webhook.
@@ -49,6 +53,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from bettercompute.core import states
 from bettercompute.service.reservations import Stats
@@ -160,6 +166,8 @@ class Metrics:
             "Reconciler wake-ups already due (a growing figure: the reconciler lags).",
             registry=self.registry,
         )
+        self.billed = _Billed()
+        self.registry.register(self.billed)
         self.database_up = Gauge(
             "bettercompute_database_up",
             "1 when the scrape-time read of the database succeeded, else 0.",
@@ -200,6 +208,7 @@ class Metrics:
                 self._waits_seen = wait.event_id
         self.work_queued.set(figures.work_queued)
         self.work_due.set(figures.work_due)
+        self.billed.figures = dict(figures.billed)
         self.database_up.set(1)
 
     def certificate_expires(self, epoch_s: float) -> None:
@@ -210,6 +219,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Billed(Collector):
+    """The billed GPU-seconds as a counter: the ledger's totals as last read. A custom
+    collector because the value is an absolute total from the database, not increments this
+    process saw."""
+
+    def __init__(self) -> None:
+        self.figures: dict[tuple[str, str], float] = {}
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> list[Metric]:
+        family = self._family()
+        for (pool, tenant), seconds in sorted(self.figures.items()):
+            family.add_metric([pool, tenant], seconds)
+        return [family]
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "bettercompute_billed_gpu_seconds",
+            "GPU-equivalent seconds billed by the usage ledger, by pool and tenant.",
+            labels=["pool", "tenant"],
+        )
 
 
 class CachedCounts:

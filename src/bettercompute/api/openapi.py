@@ -69,6 +69,7 @@ ANSWERS: Mapping[str, Any] = {
         "Whoami",
         "PoolList",
         "QuotaList",
+        "UsageReport",
         "SearchResult",
         "Subscription",
         "SubscriptionList",

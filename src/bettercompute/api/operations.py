@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bettercompute.core import answers, requests
+from bettercompute.core import answers, requests, usage
 
 PREFIX = "/api/compute"
 
@@ -120,6 +120,13 @@ OPERATIONS: tuple[Operation, ...] = (
         model=requests.QuotasInput,
         answer="QuotaList",
         summary="The tenant's quota: per resource its limit and what is charged now",
+    ),
+    Operation(
+        name="usage.report",
+        method="usage_report",
+        model=usage.UsageReportInput,
+        answer="UsageReport",
+        summary="The tenant's billed GPU usage in a span, by pool, project or day",
     ),
     Operation(
         name="capacity.search",

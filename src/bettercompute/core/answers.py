@@ -213,6 +213,48 @@ class QuotaList(TypedDict):
     quotas: list[QuotaRow]
 
 
+_GPU_SECONDS = "Devices × seconds billed: a whole GPU, a MIG instance and a slot each count one."
+_EQ_SECONDS = (
+    "Seconds billed, each device weighed in whole GPUs "
+    "(a GPU 1, a MIG instance 1/7, a slot 1/replicas)."
+)
+
+
+@with_config(_CLOSED)
+class UsageFigures(TypedDict):
+    """What was billed: from bound to release or end, never past the end."""
+
+    gpuSeconds: Annotated[float, Field(description=_GPU_SECONDS)]
+    gpuEquivalentSeconds: Annotated[float, Field(description=_EQ_SECONDS)]
+    gpuHours: Annotated[float, Field(description="gpuEquivalentSeconds / 3600.")]
+
+
+@with_config(_CLOSED)
+class UsageRow(TypedDict):
+    """One bucket of a usage report, with the key of what it groups by."""
+
+    gpuSeconds: Annotated[float, Field(description=_GPU_SECONDS)]
+    gpuEquivalentSeconds: Annotated[float, Field(description=_EQ_SECONDS)]
+    gpuHours: Annotated[float, Field(description="gpuEquivalentSeconds / 3600.")]
+    poolId: NotRequired[Annotated[str | None, Field(description="With by 'pool'.")]]
+    projectId: NotRequired[
+        Annotated[str | None, Field(description="With by 'project'; null: no projectId.")]
+    ]
+    day: NotRequired[Annotated[int, Field(description="With by 'day': the UTC day's start, ms.")]]
+
+
+@with_config(_CLOSED)
+class UsageReport(TypedDict):
+    """The tenant's billed usage in ``[from, to)``; ``items`` empty unless ``by`` is given."""
+
+    tenantId: str
+    from_: Annotated[int, Field(alias="from", description="Epoch milliseconds.")]
+    to: Annotated[int, Field(description="Epoch milliseconds, exclusive.")]
+    by: Literal["pool", "project", "day"] | None
+    items: list[UsageRow]
+    total: UsageFigures
+
+
 @with_config(_CLOSED)
 class FoundWindow(TypedDict):
     start: Ms

@@ -43,17 +43,26 @@ def gpu_equivalent(
 ) -> Fraction:
     """What one member's devices are worth in whole GPUs: a GPU 1, a MIG instance 1/7, a slot
     1/replicas (the pool's, else 4 for time-slicing and 10 for MPS)."""
+    return sum(
+        (
+            int(device["count"])
+            * device_worth(device["class"], sharing_mode=sharing_mode, replicas=replicas)
+            for device in devices
+        ),
+        Fraction(0),
+    )
+
+
+def device_worth(kind: str, *, sharing_mode: str, replicas: int) -> Fraction:
+    """What one device of ``kind`` (gpu, mig, slot) is worth in whole GPUs. The one definition
+    quota shares, budgets and the usage ledger count with (the ledger's SQL mirrors it in
+    ``bc_device_worth``, held to it by a test)."""
+    if kind == "gpu":
+        return Fraction(1)
+    if kind == "mig":
+        return Fraction(1, MIG_PER_GPU)
     slots = replicas if replicas > 1 else DEFAULT_REPLICAS.get(sharing_mode, 4)
-    worth = Fraction(0)
-    for device in devices:
-        count = int(device["count"])
-        if device["class"] == "gpu":
-            worth += count
-        elif device["class"] == "mig":
-            worth += Fraction(count, MIG_PER_GPU)
-        else:
-            worth += Fraction(count, slots)
-    return worth
+    return Fraction(1, slots)
 
 
 def per_gpu_share(

@@ -334,6 +334,13 @@ class PoolInfo:
             "drain",
         )
 
+    @property
+    def checks_budget_on_extend(self) -> bool:
+        """Whether an extend is checked against the budget: only under ``drain``, which refuses
+        extends on a spent budget (and ends nothing); ``stop-new`` and ``meter`` stop only
+        new reservations. A renew moves a lease inside the booked window: it adds no hours."""
+        return self.on_budget_exceeded == "drain"
+
 
 def check_request(*, request: Mapping[str, Any], pool: PoolInfo, tenant_id: str) -> None:
     """Refuse what this pool cannot serve for this tenant; the order is the guide's.

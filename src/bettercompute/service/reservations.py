@@ -25,7 +25,9 @@ from typing import Any, TypeVar, cast
 from bettercompute import supervising
 from bettercompute.core import answers, errors, ids, pools, ports, requests, states
 from bettercompute.core import attestation as attestation_
+from bettercompute.core import usage as core_usage
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
+from bettercompute.service import usage as usage_reports
 from bettercompute.store import (
     admission,
     budgets,
@@ -324,7 +326,9 @@ class ReservationService:
         try:
             budget_hours = None
             if draft.pool.wants_budget_check:
-                budget_hours = await self._check_budget(caller, tenant, draft.attributes)
+                budget_hours = await self._check_budget(
+                    caller, tenant, draft.attributes, draft.pool
+                )
             started = time.perf_counter()
             view = await admission.commit(
                 self.db,
@@ -447,14 +451,16 @@ class ReservationService:
         return found
 
     async def _check_budget(
-        self, caller: ports.Caller, tenant: str, attrs: Mapping[str, Any]
+        self, caller: ports.Caller, tenant: str, attrs: Mapping[str, Any], pool: pools.PoolInfo
     ) -> float | None:
         """``billing.check``, outside any transaction; raises ``SPEND_LIMIT_REACHED``.
 
         Returns the GPU-hours transaction 2 must check again under the tenant's budget lock
         (the built-in ledger), or ``None`` when the budget lives elsewhere.
         """
-        gpu_hours = (attrs["gpuCount"] + attrs["gpuSlices"] / 7) * attrs["durationHours"]
+        gpu_hours = core_usage.gpu_hours(
+            attrs, sharing_mode=pool.sharing_mode, replicas=pool.replicas
+        )
         verdict = await self.budget.check(caller=caller, tenant_id=tenant, gpu_hours=gpu_hours)
         if not verdict.allowed:
             raise budgets.spend_limit_reached(verdict)
@@ -654,11 +660,12 @@ class ReservationService:
                 )
             offer = await admission_pool(self.db, row["pool_id"], value.tenantId)
             budget_hours = None
-            if offer is not None and offer.wants_budget_check:
+            # Only 'drain' refuses an extend on a spent budget; 'stop-new' stops only creates.
+            if offer is not None and offer.checks_budget_on_extend:
                 extra = dict(begun.attributes)
                 old_hours = float(row["attributes"].get("durationHours", 0))
                 extra["durationHours"] = max(0.0, begun.attributes["durationHours"] - old_hours)
-                budget_hours = await self._check_budget(caller, value.tenantId, extra)
+                budget_hours = await self._check_budget(caller, value.tenantId, extra, offer)
             outcome = await extending.extend_commit(
                 self.db,
                 reservation_id=rid,
@@ -722,6 +729,15 @@ class ReservationService:
         value = requests.parse(requests.PoolsInput, data)
         self._precheck(caller, value.tenantId)
         return {"items": await capacity.pools(self.db, tenant_id=value.tenantId)}
+
+    async def usage_report(
+        self, caller: ports.Caller, data: Mapping[str, Any]
+    ) -> answers.UsageReport:
+        """``usage.report``: the tenant's billed usage (``service.usage``), under this
+        service's pre-check and policy decisions."""
+        return await usage_reports.report(
+            self.db, caller, data, precheck=self._precheck, decide=self._decide
+        )
 
     async def quotas(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``quotas.get``: the tenant's quota, per resource its limit and what is charged now

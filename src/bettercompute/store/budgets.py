@@ -1,8 +1,11 @@
-"""The built-in ``billing.check``: GPU-hours a tenant may book per rolling window.
+"""The built-in ``billing.check``: GPU-hours a tenant may spend per rolling window.
 
-A simple ledger over our own reservations, for installations without a billing system: the
-spend of a window is the GPU-hours of the tenant's admitted reservations created in it. A
-tenant without a budget row is not limited. Implements ``core.ports.BudgetCheck``.
+For installations without a billing system. The spend of a window is what was used in it, by
+the usage ledger (``store/usage.py``: billed from bound to release or end), plus what the
+tenant's live reservations still have booked from now on (a pending one its whole duration).
+A reservation released early stops counting the hours it gave back. A tenant without a budget
+row is not limited. Implements ``core.ports.BudgetCheck``; the ledger is ``bc_budget_state``
+(migration ``0011_usage``).
 
 Why the ledger is read twice: ``check`` runs before transaction 2, outside any transaction, as
 the guide's sequence says, and refuses early. But two creates checked at once would both fit
@@ -38,7 +41,11 @@ class DatabaseBudget:
         if row is None or float(row["spent"]) + gpu_hours <= float(row["budget"]):
             return ports.BudgetVerdict(allowed=True)
         return _spent(
-            budget=row["budget"], spent=row["spent"], asked=gpu_hours, resets=row["resets_at_ms"]
+            budget=row["budget"],
+            used=row["used"],
+            booked=row["booked"],
+            asked=gpu_hours,
+            resets=row["resets_at_ms"],
         )
 
 
@@ -57,17 +64,20 @@ def short_error(short: Mapping[str, Any]) -> ComputeError:
     return spend_limit_reached(
         _spent(
             budget=short["budget"],
-            spent=short["spent"],
+            used=short["used"],
+            booked=short["booked"],
             asked=short["asked"],
             resets=short["resetsAt"],
         )
     )
 
 
-def _spent(*, budget: Any, spent: Any, asked: Any, resets: int | None) -> ports.BudgetVerdict:
+def _spent(
+    *, budget: Any, used: Any, booked: Any, asked: Any, resets: int | None
+) -> ports.BudgetVerdict:
     return ports.BudgetVerdict(
         allowed=False,
         message=f"the tenant's budget of {float(budget):g} GPU-hours per window is spent "
-        f"({float(spent):.3f} used, {float(asked):.3f} asked)",
+        f"({float(used):.3f} used, {float(booked):.3f} booked, {float(asked):.3f} asked)",
         resets_at_ms=None if resets is None else int(resets),
     )

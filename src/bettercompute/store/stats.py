@@ -1,5 +1,6 @@
 """Figures for the metrics endpoint: reservations by pool and state, devices by pool, model and
-state, quota by tenant and resource, the work queue, and the waits that ended since last read.
+state, quota by tenant and resource, the work queue, the waits that ended since last read, and
+the GPU-seconds billed so far by pool and tenant (``store.usage.billed_totals``).
 
 Why here: ``/metrics`` shows the state of the system, not only what one process saw, and the
 database is where that state lives. Read at scrape time, so the figures are never stale and no
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bettercompute.store import capacity, quotas
+from bettercompute.store import capacity, quotas, usage
 from bettercompute.store.database import Database, script
 
 #: How many ended waits one read takes at most (a backlog is read over several scrapes).
@@ -48,6 +49,8 @@ class Stats:
     waits: list[Wait] = field(default_factory=list)
     #: The newest event id seen: the next read's ``waits_after``.
     last_event_id: int = 0
+    #: GPU-equivalent seconds billed so far per (pool, tenant): only grows.
+    billed: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 _COUNTS = (
@@ -111,4 +114,5 @@ async def read(db: Database, *, waits_after: int | None = None) -> Stats:
         quotas=list(await quotas.every_tenant(db)),
         waits=waits,
         last_event_id=newest,
+        billed=await usage.billed_totals(db),
     )
