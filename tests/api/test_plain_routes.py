@@ -24,6 +24,7 @@ OPERATION_PATHS = {
     "/api/compute/capacity/search": "SearchInput",
     "/api/compute/pools/list": "PoolsInput",
     "/api/compute/quotas/get": "QuotasInput",
+    "/api/compute/usage/report": "UsageReportInput",
     "/api/compute/whoami": "WhoamiInput",
     "/api/compute/events/subscriptions/create": "SubscriptionCreateInput",
     "/api/compute/events/subscriptions/list": "SubscriptionListInput",
