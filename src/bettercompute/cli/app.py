@@ -34,6 +34,7 @@ from bettercompute.cli import (
     output,
     parsing,
     settings,
+    usage,
     waiting,
     watching,
 )
@@ -111,6 +112,8 @@ subscriptions_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(subscriptions_app, name="subscriptions")
+# What the tenant was billed for (cli/usage.py).
+app.command("usage", epilog=usage.EXAMPLES)(usage.usage)
 
 #: How long past the server's own wait a create may take to answer before we call it lost.
 ANSWER_GRACE_S = 15.0
