@@ -59,6 +59,7 @@ def test_the_shipped_demo_loads_with_the_world_the_guide_reserves_in() -> None:
         "bob@acme": "acme",
         "gina@globex": "globex",
         "ops@root": "root",
+        "assistant@acme": "acme",
     }
     h100 = loaded.pool("pool_h100")
     assert (h100.owner, h100.region, h100.model, h100.sharing) == (

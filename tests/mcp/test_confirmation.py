@@ -1,10 +1,10 @@
 """``CONFIRMATION_REQUIRED``: the tool answers what to do instead of failing, and the retry the
 person's approval leads to reaches the same request.
 
-The server does not ask for confirmations yet, so these tests point the tools at a small HTTP
-server on a real socket that answers as the API would: the error envelope with status 403 until
-"the person approves", then the reservation. It records every body it is sent, so the tests see
-the idempotency key and the window each retry carried.
+These tests point the tools at a small HTTP server on a real socket that answers as the API
+would (``test_confirmation_live.py`` runs the loop against the real API): the error envelope
+with status 403 until "the person approves", then the reservation. It records every body it
+is sent, so the tests see the idempotency key and the window each retry carried.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from bettercompute import extras
 from bettercompute.cli import (
     bodies,
     client,
+    confirmations,
     options,
     output,
     parsing,
@@ -112,6 +113,8 @@ subscriptions_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(subscriptions_app, name="subscriptions")
+# A person's side of delegated confirmation (cli/confirmations.py).
+app.add_typer(confirmations.app, name="confirmations")
 # What the tenant was billed for (cli/usage.py).
 app.command("usage", epilog=usage.EXAMPLES)(usage.usage)
 

@@ -96,6 +96,8 @@ def callers(loaded: LoadedConfig) -> dict[str, ports.Caller]:
             tenant_id=identity.tenant,
             kind=identity.kind,
             groups=tuple(identity.groups),
+            # An agent acting for a person: its held requests wait for that person's yes.
+            on_behalf_of=identity.actingFor,
         )
         for identity in loaded.config.identities
     }

@@ -71,6 +71,9 @@ class Identity(Model):
     token: Token
     kind: Literal["user", "agent", "service"] = "user"
     groups: list[Id] = Field(default_factory=list)
+    #: For ``kind: agent`` only: the identity id of the person (a user of the same tenant) it
+    #: acts for, whose confirmation a ``@confirm`` policy asks for.
+    actingFor: IdentityId | None = None
 
 
 class Budget(Model):
@@ -272,6 +275,9 @@ def _cross_check(config: DevConfig) -> tuple[Loc, str] | None:
         if identity.token in tokens:
             return ("identities", i, "token"), "this token is already another identity's"
         tokens.add(identity.token)
+    problem = _check_acting_for(config)
+    if problem is not None:
+        return problem
 
     for i, pool in enumerate(config.pools):
         if pool.owner not in tenants:
@@ -307,6 +313,31 @@ def _cross_check(config: DevConfig) -> tuple[Loc, str] | None:
         budgets.add(budget.tenant)
 
     return _check_nodes(config, pools)
+
+
+def _check_acting_for(config: DevConfig) -> tuple[Loc, str] | None:
+    """An agent acts for a user of its own tenant; nobody else acts for anyone."""
+    by_id = {identity.id: identity for identity in config.identities}
+    for i, identity in enumerate(config.identities):
+        person_id = identity.actingFor
+        if person_id is None:
+            continue
+        loc: Loc = ("identities", i, "actingFor")
+        if identity.kind != "agent":
+            return (
+                loc,
+                f"only an identity of kind 'agent' acts for a person (this is a {identity.kind})",
+            )
+        person = by_id.get(person_id)
+        if person is None:
+            return loc, _unknown("identity", person_id, by_id)
+        if person.id == identity.id:
+            return loc, "an agent cannot act for itself"
+        if person.kind != "user":
+            return loc, f"{person_id} is a {person.kind}: an agent acts for a user"
+        if person.tenant != identity.tenant:
+            return loc, f"{person_id} is of tenant {person.tenant}, not {identity.tenant}"
+    return None
 
 
 def _check_nodes(config: DevConfig, pools: Mapping[str, Pool]) -> tuple[Loc, str] | None:
