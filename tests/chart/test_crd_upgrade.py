@@ -230,6 +230,8 @@ def test_an_upgrade_from_0_1_0_applies_every_crd_with_the_newer_schema(render: C
     # What the upgrade brings: a new CRD, and the newer Reservation schema.
     assert "gpuquotas.bcd.dev" not in previous
     assert "gpuquotas.bcd.dev" in applied
+    assert "eventsubscriptions.bcd.dev" not in previous
+    assert "eventsubscriptions.bcd.dev" in applied
     reservation = shipped["reservations.bcd.dev"]["versions"]["v1alpha1"]["fields"]
     was = previous["reservations.bcd.dev"]["versions"]["v1alpha1"]["fields"]
     for field in (".status.window.start", ".status.conditionDetails{}.since", ".status.leaseUntil"):
@@ -425,9 +427,9 @@ def test_the_program_applies_every_crd_and_waits_until_established(
         assert request["body"] == REPO_CRDS[name].read_bytes()  # the file, as is
     for name in ours:
         assert f"{name} is Established" in done.stdout
-    # GPUQuota's CRD was new: the apply created it.
+    # GPUQuota's and EventSubscription's CRDs were new: the apply created them.
     created = [a.name for a in stand_in.attributes if a.verb == "create"]
-    assert created == ["gpuquotas.bcd.dev"]
+    assert created == ["eventsubscriptions.bcd.dev", "gpuquotas.bcd.dev"]
     # Every call, the implied creates included, is one the hook's RBAC allows; none deletes.
     rbac = authorizing.authorizer_for(defaults.objects, namespace=rendering.NAMESPACE, name=NAME)
     for attributes in stand_in.attributes:

@@ -75,6 +75,17 @@ EXPECTED = [
     ("ClusterRole", OPERATOR, "bcd.dev", "gpupools/status", None, "patch", "handlers.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpuquotas", None, "list watch patch", "kopf"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpuquotas/status", None, "patch", "handlers.py"),
+    ("ClusterRole", OPERATOR, "bcd.dev", "eventsubscriptions", None, "list watch patch", "kopf"),
+    (
+        "ClusterRole",
+        OPERATOR,
+        "bcd.dev",
+        "eventsubscriptions/status",
+        None,
+        "patch",
+        "subscribing.py",
+    ),
+    ("ClusterRole", OPERATOR, "", "secrets", None, "create update", "subscribing.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
     ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
@@ -215,8 +226,11 @@ NOT_EXERCISED = {
         ("signers", "approve"),
         ("signers", "sign"),
         # Renewing the webhook certificate, months after it was made (a moved clock renews it
-        # in tests/operator/test_webhook_certificates.py).
+        # in tests/operator/test_webhook_certificates.py); an EventSubscription's Secret.
         ("secrets", "update"),
+        # EventSubscriptions (tests/operator/test_event_subscriptions.py); the life has none.
+        ("eventsubscriptions", "patch"),
+        ("eventsubscriptions/status", "patch"),
     },
     DEVICE_PLUGIN: {
         # With labels that differ from an existing GPUNode's, the agent merges them in. (It
@@ -263,7 +277,11 @@ def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
     for kind, name, group, resource, names, verb in _granted(everything):
         assert "*" not in (group, resource, verb), kind
         assert resource not in ("pods", "configmaps"), resource
-        if resource == "secrets":
+        if resource == "secrets" and kind == "ClusterRole":
+            # An EventSubscription's signing secret, beside it in a tenant namespace the chart
+            # does not know: create, and update (of one it made); never read.
+            assert (name, names, verb) in ((OPERATOR, None, "create"), (OPERATOR, None, "update"))
+        elif resource == "secrets":
             # Only the operator's node-report CA, in its own namespace: read that one Secret,
             # create it (a create cannot name its object in RBAC).
             assert (kind, name) == ("Role", OPERATOR)
@@ -286,7 +304,7 @@ def test_a_provided_node_ca_grants_only_reading_it(render: Any) -> None:
     secrets = {
         (kind, name, names, verb)
         for kind, name, _, resource, names, verb in _granted(rendered)
-        if resource == "secrets"
+        if resource == "secrets" and kind == "Role"  # the ClusterRole's: EventSubscriptions
     }
     assert secrets == {("Role", OPERATOR, ("platform-node-ca",), "get")}
     env = {
@@ -321,7 +339,11 @@ def test_with_cert_manager_the_operator_never_creates_the_ca(render):
         "webhook": {"operatorManaged": False},
     }
     rendered = render(values)
-    secrets = {(verb, names) for _, _, _, r, names, verb in _granted(rendered) if r == "secrets"}
+    secrets = {
+        (verb, names)
+        for kind, _, _, r, names, verb in _granted(rendered)
+        if r == "secrets" and kind == "Role"  # the ClusterRole's: EventSubscriptions
+    }
     assert secrets == {("get", (NODE_CA,))}
 
 

@@ -121,6 +121,18 @@ EXPECTED = (
             AGE,
         ),
     ),
+    Expected(
+        "EventSubscription",
+        "eventsubscriptions",
+        ("esub",),
+        "Namespaced",
+        (
+            ("URL", "string", ".spec.url"),
+            ("Types", "string", ".status.types"),
+            ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status'),
+            AGE,
+        ),
+    ),
 )
 KINDS = [e.kind for e in EXPECTED]
 
@@ -703,13 +715,63 @@ def gpuquota() -> dict[str, Any]:
     }
 
 
+def eventsubscription() -> dict[str, Any]:
+    """An EventSubscription as the operator leaves it (``operator/subscribing.py``)."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "EventSubscription",
+        "metadata": {"name": "hooks", "namespace": "ml"},
+        "spec": {
+            "url": "https://hooks.example.com/bcd?team=ml",
+            "eventTypes": ["reservation.placed", "reservation.released"],
+            "secretName": "hooks-signing",
+        },
+        "status": {
+            "observedGeneration": 1,
+            "subscriptionId": "sub_01",
+            "tenantId": "acme",
+            "secretName": "hooks-signing",
+            "secretVersion": "42",
+            "types": "placed,released",
+            "deliveries": {
+                "delivered": 3,
+                "pending": 0,
+                "failing": 1,
+                "dead": 0,
+                "lastDeliveredAt": "2026-12-04T12:00:00Z",
+                "lastError": "HTTP 500",
+            },
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Subscribed",
+                    "message": "tenant acme's events are delivered by subscription sub_01",
+                    "lastTransitionTime": "2026-12-04T11:00:00Z",
+                    "observedGeneration": 1,
+                }
+            ],
+        },
+    }
+
+
 SAMPLES = {
     "Reservation": reservation,
     "GPUPool": gpupool,
     "GPUNode": gpunode,
     "DeviceAllocation": device_allocation,
     "GPUQuota": gpuquota,
+    "EventSubscription": eventsubscription,
 }
+
+
+def test_eventsubscription_spec_takes_what_subscriptions_create_takes(crds):
+    """The URL pattern and the event types are the API's own (``core.requests``)."""
+    spec = schema(crds, "EventSubscription")["properties"]["spec"]["properties"]
+    assert spec["url"]["pattern"] == requests.WEBHOOK_URL_PATTERN
+    assert spec["url"]["maxLength"] == 2048
+    assert tuple(spec["eventTypes"]["items"]["enum"]) == requests.EVENT_TYPES
+    assert spec["eventTypes"]["maxItems"] == len(requests.EVENT_TYPES)
 
 
 @pytest.mark.parametrize(

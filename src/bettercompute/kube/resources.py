@@ -28,6 +28,9 @@ RESERVATIONS = create_namespaced_resource(GROUP, VERSION, "Reservation", "reserv
 GPUPOOLS = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")
 GPUNODES = create_global_resource(GROUP, VERSION, "GPUNode", "gpunodes")
 GPUQUOTAS = create_global_resource(GROUP, VERSION, "GPUQuota", "gpuquotas")
+EVENT_SUBSCRIPTIONS = create_namespaced_resource(
+    GROUP, VERSION, "EventSubscription", "eventsubscriptions"
+)
 DEVICE_ALLOCATIONS = create_namespaced_resource(
     GROUP, VERSION, "DeviceAllocation", "deviceallocations"
 )

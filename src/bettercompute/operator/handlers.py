@@ -27,7 +27,14 @@ from bettercompute.core.errors import ComputeError
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
-from bettercompute.operator import definitions, podaccess, quotas, statuses, webhooks
+from bettercompute.operator import (
+    definitions,
+    podaccess,
+    quotas,
+    statuses,
+    subscribing,
+    webhooks,
+)
 from bettercompute.operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,7 @@ RESERVATIONS = (names.GROUP, names.VERSION, "reservations")
 GPUPOOLS = (names.GROUP, names.VERSION, "gpupools")
 GPUNODES = (names.GROUP, names.VERSION, "gpunodes")
 GPUQUOTAS = (names.GROUP, names.VERSION, "gpuquotas")
+EVENT_SUBSCRIPTIONS = (names.GROUP, names.VERSION, "eventsubscriptions")
 DEVICE_ALLOCATIONS = (names.GROUP, names.VERSION, "deviceallocations")
 CSRS = ("certificates.k8s.io", "v1", "certificatesigningrequests")
 PODS = ("", "v1", "pods")
@@ -288,6 +296,26 @@ def make_registry(
         # What is charged moves with every reservation: kubectl get gq shows it within seconds.
         await _quota(_runtime(memo), body, kwargs["quota_claims"])
 
+    # --- EventSubscriptions: webhook subscriptions (``subscribing``) ----------------------------
+
+    @kopf.on.resume(*EVENT_SUBSCRIPTIONS, registry=registry)
+    @kopf.on.create(*EVENT_SUBSCRIPTIONS, registry=registry)
+    @kopf.on.update(*EVENT_SUBSCRIPTIONS, registry=registry)
+    async def subscription_applied(
+        body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
+    ) -> None:
+        labels = _first(kwargs["namespace_labels"], namespace or "")
+        _retry(await _subscriptions(memo).apply(body, tenant_labels=labels))
+
+    @kopf.on.delete(*EVENT_SUBSCRIPTIONS, registry=registry)
+    async def subscription_deleted(body: kopf.Body, memo: Any, **_: Any) -> None:
+        await _subscriptions(memo).delete(body)
+
+    @kopf.timer(*EVENT_SUBSCRIPTIONS, interval=pool_status_s, registry=registry)
+    async def subscription_shown(body: kopf.Body, memo: Any, **_: Any) -> None:
+        # Deliveries move with every event: kubectl get esub -o yaml shows them within seconds.
+        await _subscriptions(memo).show(body)
+
     # --- node certificates ---------------------------------------------------------------------
 
     if node_certificates:
@@ -324,6 +352,13 @@ def _node_certificate_handlers(registry: kopf.OperatorRegistry) -> None:
             await signer.node_deleted(name)
         else:
             await signer.node_annotated(name, annotations)
+
+
+def _subscriptions(memo: Any) -> subscribing.SubscriptionDoor:
+    runtime = _runtime(memo)
+    return subscribing.SubscriptionDoor(
+        service=runtime.service, kube=runtime.kube, clock=runtime.projector.clock
+    )
 
 
 async def _labelled_reservation(

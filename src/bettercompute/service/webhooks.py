@@ -14,6 +14,10 @@ its first attempt, then it is ``dead`` and stays in the delivery log. Within one
 reservation's events go in order: one waits while an earlier one of the same reservation is
 pending (``store/subscriptions.py`` claims only the earliest).
 
+The functions at the end are what the operator's ``EventSubscription`` objects need beside
+the API's create and delete (``operator/subscribing.py``): an update in place, the
+subscriptions an object made, and the delivery log in figures.
+
 What it must never do: end on a store error or on a receiver's failure (it logs, waits and goes
 on), send a delivery that is not claimed, or put the secret anywhere but the HMAC key.
 """
@@ -28,13 +32,14 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from bettercompute import supervising
+from bettercompute.core import answers, requests
 from bettercompute.core.errors import StoreError
 from bettercompute.store import listening, subscriptions
 from bettercompute.store.database import Database
@@ -198,3 +203,40 @@ class WebhookDelivery:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+
+
+# --- for the operator's EventSubscription objects -----------------------------------------------
+
+
+async def update_subscription(
+    db: Database, *, tenant_id: str, subscription_id: str, url: str, event_types: Sequence[str]
+) -> answers.Subscription | None:
+    """Point an active subscription at another URL and event types, checked as
+    ``events.subscriptions.create`` checks them (INVALID_INPUT); its secret and log stay.
+    ``None`` when the tenant has no such active subscription."""
+    value = requests.parse(
+        requests.SubscriptionCreateInput,
+        {"tenantId": tenant_id, "url": url, "eventTypes": list(event_types)},
+    )
+    return await subscriptions.update(
+        db,
+        tenant_id=value.tenantId,
+        subscription_id=subscription_id,
+        url=value.url,
+        event_types=value.eventTypes,
+    )
+
+
+async def is_active(db: Database, *, tenant_id: str, subscription_id: str) -> bool:
+    return await subscriptions.is_active(db, tenant_id=tenant_id, subscription_id=subscription_id)
+
+
+async def made_by(db: Database, *, tenant_id: str, created_by: str) -> list[str]:
+    """The tenant's active subscriptions ``created_by`` made (its ``createdBy``)."""
+    return await subscriptions.active_created_by(db, tenant_id=tenant_id, created_by=created_by)
+
+
+async def delivery_summary(db: Database, *, subscription_id: str) -> dict[str, Any]:
+    """Deliveries by state (``delivered``, ``pending``, ``failing``, ``dead``), the last
+    delivery's time (epoch ms) and the newest error."""
+    return await subscriptions.summary(db, subscription_id=subscription_id)

@@ -5,7 +5,8 @@ Why here: the fan-out of outbox events to subscriptions must move its cursor in 
 transaction as the delivery rows it writes (at least once; the primary key makes a repeat a
 no-op), and a sender must claim a delivery before it POSTs it, so two replicas never send one
 at once. ``service/webhooks.py`` drives both; the API reads and writes subscriptions through
-``service/reservations.py``.
+``service/reservations.py``, the operator's ``EventSubscription`` objects through
+``service/webhooks.py`` (``update``, ``active_created_by``, ``summary``).
 
 What it must never do: send anything over the network, answer a subscription's secret anywhere
 but in the answer of ``create``, or let a delivery overtake an earlier pending one of the same
@@ -114,6 +115,68 @@ async def disable(
             (subscription_id,),
         )
     return _subscription(row)
+
+
+async def update(
+    db: Database, *, tenant_id: str, subscription_id: str, url: str, event_types: Sequence[str]
+) -> answers.Subscription | None:
+    """Point the tenant's active subscription at ``url`` and ``event_types``, in place: its id,
+    secret and delivery log stay, and pending deliveries go to the new URL. ``None`` when the
+    tenant has no such active subscription."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "UPDATE event_subscriptions SET url = %s, event_types = %s"
+                " WHERE id = %s AND tenant_id = %s AND state = 'active'"
+                f" RETURNING {_SUBSCRIPTION}",
+                (url, sorted(set(event_types)), subscription_id, tenant_id),
+            )
+        ).fetchone()
+    return None if row is None else _subscription(row)
+
+
+async def active_created_by(db: Database, *, tenant_id: str, created_by: str) -> list[str]:
+    """The ids of the tenant's active subscriptions that ``created_by`` made, oldest first."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT id FROM event_subscriptions"
+                " WHERE tenant_id = %s AND created_by = %s AND state = 'active' ORDER BY id",
+                (tenant_id, created_by),
+            )
+        ).fetchall()
+    return [str(r["id"]) for r in rows]
+
+
+async def summary(db: Database, *, subscription_id: str) -> dict[str, Any]:
+    """The subscription's delivery log in figures: ``delivered``, ``pending`` (not failed yet),
+    ``failing`` (failed, still retried), ``dead``, ``lastDeliveredAt`` (epoch ms or ``None``)
+    and ``lastError`` (of the newest event that failed, or ``None``)."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT count(*) FILTER (WHERE state = 'delivered') AS delivered,"
+                " count(*) FILTER (WHERE state = 'pending' AND last_error IS NULL) AS pending,"
+                " count(*) FILTER (WHERE state = 'pending' AND last_error IS NOT NULL)"
+                "   AS failing,"
+                " count(*) FILTER (WHERE state = 'dead') AS dead,"
+                " epoch_ms(max(delivered_at)) AS last_delivered_at,"
+                " (SELECT last_error FROM event_deliveries"
+                "   WHERE subscription_id = %s AND last_error IS NOT NULL"
+                "   ORDER BY event_id DESC LIMIT 1) AS last_error"
+                " FROM event_deliveries WHERE subscription_id = %s",
+                (subscription_id, subscription_id),
+            )
+        ).fetchone()
+    assert row is not None  # an aggregate always answers one row
+    return {
+        "delivered": int(row["delivered"]),
+        "pending": int(row["pending"]),
+        "failing": int(row["failing"]),
+        "dead": int(row["dead"]),
+        "lastDeliveredAt": _ms(row["last_delivered_at"]),
+        "lastError": row["last_error"],
+    }
 
 
 async def is_active(db: Database, *, tenant_id: str, subscription_id: str) -> bool:
