@@ -45,9 +45,9 @@ EXAMPLES = 25
 schema = schemathesis.openapi.from_dict(openapi.document()).exclude(
     path="/api/compute/events/watch"
 )
-# The stateful run follows the reservations' links; the webhook operations (no links, covered by
-# the stateless run) would take its few steps away from them.
-STATEFUL = schema.exclude(path_regex=r"^/api/compute/events/")
+# The stateful run follows the reservations' links; the webhook and confirmation operations (no
+# links, covered by the stateless run) would take its few steps away from them.
+STATEFUL = schema.exclude(path_regex=r"^/api/compute/(events|confirmations)/")
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,

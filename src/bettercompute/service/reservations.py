@@ -7,6 +7,8 @@ same sequence against the existing reservation. Decisions are audited by the sto
 transaction that records their outcome. Claims and extend holds name this process's holder
 (``store/holding.py``), so they end with the process; with the built-in budget, transaction 2
 checks the budget again under the tenant's budget lock, so concurrent creates cannot overrun it.
+A refusal a ``@confirm`` policy holds, for an agent acting for a person, is not final: the person
+is asked (``store/confirmations.py``) and the agent's retry with the same key finds the answer.
 
 Handlers here are a few lines around store calls; nothing here speaks SQL.
 """

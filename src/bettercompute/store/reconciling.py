@@ -68,15 +68,19 @@ async def next_due_in(db: Database) -> float | None:
 
 async def reconcile(conn: Conn, reservation_id: str) -> None:
     """Do what is due for one reservation, in the caller's transaction."""
-    if await _settled(conn, reservation_id):
+    state = await _unsettled(conn, reservation_id)
+    if state is None:
+        return
+    if state == State.AWAITING_CONFIRMATION:
+        # Only its confirmation's deadline can be due (woken then); core.lifecycle has no step
+        # for a reservation that holds nothing. The row lock alone, never the pool's: the
+        # agent's retry being admitted holds this row and then wants the pool lock.
+        # (expire_due checks the state again under the lock.)
+        await locking.lock_reservation(conn, reservation_id, pool_lock=False)
+        await confirmations.expire_due(conn, reservation_id)
         return
     row = await locking.lock_reservation(conn, reservation_id, pool_lock=True)
     if row is None:
-        return
-    if row["state"] == State.AWAITING_CONFIRMATION:
-        # Only its confirmation's deadline can be due (woken then); core.lifecycle has no step
-        # for a reservation that holds nothing.
-        await confirmations.expire_due(conn, reservation_id)
         return
     now = await clock.current_time(conn)
     reservation = await _snapshot(conn, row)
@@ -85,8 +89,9 @@ async def reconcile(conn: Conn, reservation_id: str) -> None:
     await _apply(conn, row, reservation, step, now)
 
 
-async def _settled(conn: Conn, reservation_id: str) -> bool:
-    """Whether the reservation needs nothing from the reconciler, read without any lock.
+async def _unsettled(conn: Conn, reservation_id: str) -> State | None:
+    """The reservation's state when it may need the reconciler, else ``None``; read without
+    any lock.
 
     Why: a wake-up often outlives its reason (a reservation released before its start was
     reconciled), and taking the pool lock for each of those queues them behind every admission
@@ -104,13 +109,12 @@ async def _settled(conn: Conn, reservation_id: str) -> bool:
         )
     ).fetchone()
     if row is None:
-        return True
+        return None
     state = State(row["state"])
-    if state == State.DRAFT:
-        return True
-    if state == State.AWAITING_CONFIRMATION:
-        return False  # its confirmation may have passed its deadline
-    return state in states.TERMINAL and not row["held"]
+    if state == State.DRAFT or (state in states.TERMINAL and not row["held"]):
+        return None
+    # Awaiting confirmation included: its confirmation may have passed its deadline.
+    return state
 
 
 async def _snapshot(conn: Conn, row: Row) -> lifecycle.Reservation:
