@@ -161,8 +161,15 @@ async def test_a_node_lease_is_not_billed_for_an_unhealthy_gpu(
     sick = sorted(alloc["device_ids"])[0]
     await inventory.advance_clock(db, seconds=600)
     await inventory.set_atom_health(db, node_id=alloc["node_id"], device_id=sick, healthy=False)
+    await run(db)  # the health change wakes the reconciler: the lease says it is not billed
+    shown = {c["type"]: c for c in (await get(service, rid))["conditions"]}
+    assert shown["UnhealthyAtoms"]["reason"] == "NotBilled"
+    assert sick in shown["UnhealthyAtoms"]["message"]
     await inventory.advance_clock(db, seconds=600)
     await inventory.set_atom_health(db, node_id=alloc["node_id"], device_id=sick, healthy=True)
+    await run(db)
+    shown = {c["type"]: c for c in (await get(service, rid))["conditions"]}
+    assert "UnhealthyAtoms" not in shown
     await inventory.advance_clock(db, seconds=600)
     await release(service, rid)
     assert await equivalent_seconds(db) == pytest.approx(8 * 1800 - 600, abs=8 * SLACK)

@@ -484,6 +484,30 @@ DECIDE: dict[str, Row] = {
             recheck_at=NOW + 15 * MINUTE,
         ),
     ),
+    "active node lease, unhealthy devices: also UnhealthyAtoms/NotBilled naming them": (
+        active(unhealthy_devices=["GPU-0", "GPU-3"], binding_mode="node"),
+        [bound("n1")],
+        NOW,
+        SetConditions(
+            conditions=[
+                cond("Degraded", "AtomUnhealthy", "unhealthy booked devices: GPU-0, GPU-3"),
+                cond("UnhealthyAtoms", "NotBilled", "not billed while unhealthy: GPU-0, GPU-3"),
+            ],
+            binding=view(bound("n1")),
+            recheck_at=NOW + 15 * MINUTE,
+        ),
+    ),
+    "active node lease, healed: UnhealthyAtoms/NotBilled cleared": (
+        active(
+            binding_mode="node",
+            conditions=[
+                cond("UnhealthyAtoms", "NotBilled", "not billed while unhealthy: GPU-0", NOW_MS)
+            ],
+        ),
+        [bound("n1")],
+        NOW,
+        SetConditions(conditions=[], binding=view(bound("n1")), recheck_at=NOW + 15 * MINUTE),
+    ),
     "active, lost beats unhealthy; unreachable is its own condition": (
         active(unhealthy_devices=["GPU-0"], unreachable_nodes=["n1"]),
         [alloc("n1", "lost")],

@@ -407,6 +407,19 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
                 ),
             )
         )
+    if r.unhealthy_devices and r.binding_mode == "node":
+        # A node lease is not billed for its unhealthy GPUs (store/usage.py's rule): say so.
+        wanted.append(
+            _keep(
+                kept,
+                states.condition(
+                    Condition.UNHEALTHY_ATOMS,
+                    Reason.NOT_BILLED,
+                    f"not billed while unhealthy: {', '.join(r.unhealthy_devices)}",
+                    at_ms=at,
+                ),
+            )
+        )
     if r.unreachable_nodes:
         wanted.append(
             _keep(
@@ -419,9 +432,8 @@ def _active(r: Reservation, allocations: Sequence[Allocation], now: dt.datetime)
                 ),
             )
         )
-    others = [
-        c for c in r.conditions if c["type"] not in (Condition.DEGRADED, Condition.NODE_UNREACHABLE)
-    ]
+    computed = (Condition.DEGRADED, Condition.NODE_UNREACHABLE, Condition.UNHEALTHY_ATOMS)
+    others = [c for c in r.conditions if c["type"] not in computed]
     conditions = others + wanted
     recheck_at = now + ACTIVE_RECHECK
     binding = binding_view(allocations) if allocations and not lost else r.binding

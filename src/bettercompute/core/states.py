@@ -68,6 +68,7 @@ class Reason(enum.StrEnum):
     ATOM_UNHEALTHY = "AtomUnhealthy"
     UNREACHABLE = "Unreachable"
     PODS_HOLD_DEVICES = "PodsHoldDevices"
+    NOT_BILLED = "NotBilled"
 
 
 def condition(
