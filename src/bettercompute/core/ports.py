@@ -66,21 +66,12 @@ class DecisionRequest:
 
 
 @dataclass(frozen=True)
-class Confirmation:
-    """IAM opened a confirmation request for a delegated session (a later issue uses this)."""
-
-    confirmation_id: str
-    expires_at_ms: int | None = None
-
-
-@dataclass(frozen=True)
 class Decision:
     allowed: bool
     #: Ids of the policies that determined the decision, for the audit row.
     reasons: tuple[str, ...] = ()
     #: Evaluation errors (a policy that failed to evaluate on these attributes).
     errors: tuple[str, ...] = ()
-    confirmation: Confirmation | None = None
     #: A refusal a person may lift: every policy that determined it is a ``forbid`` marked for
     #: confirmation (Cedar's ``@confirm``). Never set on an allow, nor on a refusal because no
     #: policy permits. Only an agent acting for a person (``Caller.on_behalf_of``) is offered a

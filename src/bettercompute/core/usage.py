@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from bettercompute.core import errors, hosts, moments, requests
+from bettercompute.core import hosts, requests
 
 #: What a report groups by, besides the tenant: its pools, its projects, or UTC days.
 By = Literal["pool", "project", "day"]
@@ -28,15 +28,17 @@ MAX_SPAN_MS = 366 * 86_400_000
 class UsageReportInput(BaseModel):
     """``usage.report``: the tenant's billed usage in ``[from, to)``, optionally grouped.
 
-    ``from`` and ``to`` are epoch milliseconds or RFC 3339 times with a zone; ``to`` defaults
-    to now and ``from`` to 30 days before ``to``; at most 366 days apart.
+    ``from`` and ``to`` are epoch milliseconds, as every time in the API; ``to`` defaults to
+    now and ``from`` to 30 days before ``to``. Every well-formed span has an answer (the
+    answer's own ``from`` and ``to`` say which span it covers): ``from`` at or after ``to`` is
+    an empty span, and one longer than 366 days starts 366 days before ``to``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     tenantId: requests.TenantId
-    from_: StrictInt | str | None = Field(default=None, alias="from")
-    to: StrictInt | str | None = None
+    from_: StrictInt | None = Field(default=None, alias="from", ge=0, le=requests.MAX_EPOCH_MS)
+    to: StrictInt | None = Field(default=None, ge=0, le=requests.MAX_EPOCH_MS)
     by: By | None = None
 
     @model_validator(mode="before")
@@ -49,30 +51,14 @@ class UsageReportInput(BaseModel):
             k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in data.items()
         }
 
-    @field_validator("from_", "to")
-    @classmethod
-    def _moment(cls, value: int | str | None) -> int | None:
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = moments.parse_ms(value)
-            except moments.MomentError as e:
-                raise ValueError(str(e)) from None
-        if not 0 <= value <= requests.MAX_EPOCH_MS:
-            raise ValueError("must be an epoch millisecond between 1970 and 9999-12-31")
-        return value
-
 
 def report_span(value: UsageReportInput, *, now_ms: int) -> tuple[int, int]:
-    """``[from, to)`` of a report in epoch ms, defaults filled; raises ``INVALID_INPUT``."""
-    to = value.to if isinstance(value.to, int) else now_ms
-    start = value.from_ if isinstance(value.from_, int) else max(0, to - DEFAULT_SPAN_MS)
-    if start >= to:
-        raise errors.invalid_input("from", "must be before 'to'")
-    if to - start > MAX_SPAN_MS:
-        raise errors.invalid_input("from", "a report covers at most 366 days")
-    return start, to
+    """``[from, to)`` of a report in epoch ms, defaults filled, at most 366 days; an inverted
+    span is empty (``from == to``)."""
+    to = value.to if value.to is not None else now_ms
+    start = value.from_ if value.from_ is not None else max(0, to - DEFAULT_SPAN_MS)
+    start = max(start, to - MAX_SPAN_MS)
+    return min(start, to), to
 
 
 def gpu_hours(attributes: Mapping[str, Any], *, sharing_mode: str, replicas: int) -> float:
