@@ -13,7 +13,6 @@ create with a new key, or let a traceback reach the user.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -29,6 +28,7 @@ import typer
 from bettercompute import extras
 from bettercompute.cli import (
     bodies,
+    calls,
     client,
     confirmations,
     options,
@@ -139,19 +139,6 @@ def new_key() -> str:
 # --- running a command ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _reporting(chosen: Output | None) -> Iterator[None]:
-    """Turn a ``Failure`` into ``Error CODE: message`` and its exit code; usage errors of
-    readers into typer's own usage error (exit 2) naming the option."""
-    try:
-        yield
-    except client.Failure as e:
-        output.failure(e, output=chosen or Output.TABLE)
-        raise typer.Exit(e.exit_code) from None
-    except parsing.ParseError as e:
-        raise typer.BadParameter(str(e), param_hint=f"'{e.option}'" if e.option else None) from None
-
-
 def _settings(
     *, url: str | None, token: str | None, tenant: str | None, out: Output | None
 ) -> settings.Settings:
@@ -160,18 +147,6 @@ def _settings(
 
 def _client(found: settings.Settings, *, timeout_s: float = 30.0) -> client.ApiClient:
     return client.ApiClient(url=found.url, token=found.token, timeout_s=timeout_s)
-
-
-def _tenant(found: settings.Settings) -> str:
-    """The tenant given (flag, environment, config file), else the token's own (``whoami``)."""
-    if found.tenant or not (found.url and found.token):
-        return settings.require_tenant(found)
-    with _client(found) as api:
-        who = api.call("whoami", {})
-    tenant = who.get("tenantId") if isinstance(who, dict) else None
-    if not isinstance(tenant, str) or not tenant:
-        return settings.require_tenant(found)
-    return tenant
 
 
 def _print_key(key: str, *, given: bool) -> None:
@@ -312,9 +287,9 @@ def reserve(
 ) -> None:
     """Reserve GPUs, MIG instances or slots of a pool for a time window."""
     wait_for = None if wait_for_state is None else wait_for_state.value
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = _tenant(found)
+        tenant_id = calls.tenant(found)
         ask = _ask(
             tenant=tenant_id,
             pool=pool,
@@ -442,10 +417,10 @@ def capacity(
         raise typer.BadParameter("--find looks from --from, not --start", param_hint="'--start'")
     if preview and (from_ is not None or horizon is not None):
         raise typer.BadParameter("--from and --horizon are for --find", param_hint="'--from'")
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         ask = _ask(
-            tenant=_tenant(found),
+            tenant=calls.tenant(found),
             pool=pool,
             duration=duration,
             gpus=gpus,
@@ -500,7 +475,7 @@ def reservations_get(
     out: options.OutputOption = None,
 ) -> None:
     """Show one reservation: state, devices, window, nodes, conditions and operation."""
-    with _reporting(out):
+    with calls.reporting(out):
         steps: list[str | int] | None = None
         if query is not None:
             try:
@@ -508,7 +483,7 @@ def reservations_get(
             except parsing.ParseError as e:
                 raise parsing.ParseError(str(e), option="--query") from None
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = _tenant(found)
+        tenant_id = calls.tenant(found)
         with _client(found) as api:
             view = api.call(
                 "reservations/get", {"tenantId": tenant_id, "reservationId": reservation_id}
@@ -555,9 +530,9 @@ def reservations_list(
     out: options.OutputOption = None,
 ) -> None:
     """List reservations, newest first: yours by default, the tenant's with --all."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body: dict[str, Any] = {"tenantId": _tenant(found)}
+        body: dict[str, Any] = {"tenantId": calls.tenant(found)}
         if everyone:
             body["scope"] = "all"
         if state is not None:
@@ -620,9 +595,9 @@ def subscriptions_create(
     out: options.OutputOption = None,
 ) -> None:
     """Subscribe a URL to your tenant's events; prints the signing secret, once."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=server, token=token, tenant=tenant, out=out)
-        body: dict[str, Any] = {"tenantId": _tenant(found), "url": hook_url}
+        body: dict[str, Any] = {"tenantId": calls.tenant(found), "url": hook_url}
         if event:
             body["eventTypes"] = list(event)
         with _client(found) as api:
@@ -640,10 +615,10 @@ def subscriptions_list(
     out: options.OutputOption = None,
 ) -> None:
     """Your tenant's webhook subscriptions (their secrets are never shown again)."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         with _client(found) as api:
-            answer = api.call("events/subscriptions/list", {"tenantId": _tenant(found)})
+            answer = api.call("events/subscriptions/list", {"tenantId": calls.tenant(found)})
         output.emit(answer, output=found.output, table=output.subscription_list, keep_whole=True)
 
 
@@ -658,9 +633,9 @@ def subscriptions_delete(
     out: options.OutputOption = None,
 ) -> None:
     """Stop delivering to a subscription; what is still pending ends dead."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body = {"tenantId": _tenant(found), "subscriptionId": subscription_id}
+        body = {"tenantId": calls.tenant(found), "subscriptionId": subscription_id}
         with _client(found) as api:
             gone = api.call("events/subscriptions/delete", body)
         output.emit(gone, output=found.output, table=output.subscription)
@@ -685,9 +660,9 @@ def subscriptions_deliveries(
     out: options.OutputOption = None,
 ) -> None:
     """A subscription's delivery log, newest event first: attempts, last answer, next try."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body: dict[str, Any] = {"tenantId": _tenant(found), "subscriptionId": subscription_id}
+        body: dict[str, Any] = {"tenantId": calls.tenant(found), "subscriptionId": subscription_id}
         if state is not None:
             body["state"] = state
         with _client(found) as api:
@@ -758,13 +733,13 @@ def watch(
             out=out,
         )
         return
-    with _reporting(None):
+    with calls.reporting(None):
         every_ms = _duration(every, option="--every")
         if every_ms < 1000:
             raise parsing.ParseError("look again at most once a second (1s)", option="--every")
         limit_ms = _duration(stop_after, option="--for") if stop_after is not None else None
         found = _settings(url=url, token=token, tenant=tenant, out=None)
-        chosen = _tenant(found)
+        chosen = calls.tenant(found)
         with _client(found) as api:
 
             def poll() -> dict[str, Any]:
@@ -802,10 +777,10 @@ def _watch_events(
     token: str | None,
     out: Output | None,
 ) -> None:
-    with _reporting(out):
+    with calls.reporting(out):
         limit_ms = _duration(stop_after, option="--for") if stop_after is not None else None
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        chosen = _tenant(found)
+        chosen = calls.tenant(found)
         ends = None if limit_ms is None else time.monotonic() + limit_ms / 1000
         with _client(found) as api:
             stream = api.events(chosen, after=after)
@@ -889,9 +864,9 @@ def extend(
     out: options.OutputOption = None,
 ) -> None:
     """Move a reservation's end later, decided by policy like a create."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        tenant_id = _tenant(found)
+        tenant_id = calls.tenant(found)
         chosen_key = key or new_key()
         body = bodies.extend(
             tenant=tenant_id,
@@ -915,9 +890,9 @@ def _change(
     token: str | None,
     out: Output | None,
 ) -> None:
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body = {"tenantId": _tenant(found), "reservationId": reservation_id}
+        body = {"tenantId": calls.tenant(found), "reservationId": reservation_id}
         with _client(found) as api:
             view = api.call(f"reservations/{operation}", body)
         output.emit(view, output=found.output, table=output.reservation_table)
@@ -967,10 +942,10 @@ def pools(
     out: options.OutputOption = None,
 ) -> None:
     """Your pools (owned or offered) and what they hold now: free, booked, healthy, total."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         with _client(found) as api:
-            answer = api.call("pools/list", {"tenantId": _tenant(found)})
+            answer = api.call("pools/list", {"tenantId": calls.tenant(found)})
         output.emit(answer, output=found.output, table=output.pools, keep_whole=True)
 
 
@@ -983,10 +958,10 @@ def quota(
 ) -> None:
     """Your tenant's quota: per resource (gpu:<model>, vcpu, memoryGiB …) the limit, what live
     reservations have charged, and what is left. A resource not listed grants nothing."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         with _client(found) as api:
-            answer = api.call("quotas/get", {"tenantId": _tenant(found)})
+            answer = api.call("quotas/get", {"tenantId": calls.tenant(found)})
         output.emit(answer, output=found.output, table=output.quotas, keep_whole=True)
 
 
@@ -1041,7 +1016,7 @@ def dev(
     ] = None,
 ) -> None:
     """Run a complete server on this machine: embedded PostgreSQL, the API and simulated nodes."""
-    with _reporting(None):
+    with calls.reporting(None):
         # Imported here, not at the top: --help and every other command must work without the
         # dev server's dependencies (the 'dev' extra: embedded PostgreSQL, the simulator).
         with extras.needs(extras.DEV, program="better-compute dev"):
@@ -1083,7 +1058,7 @@ def mcp_command(
     token: options.TokenOption = None,
 ) -> None:
     """Serve the reservations to an AI agent as MCP tools on stdin/stdout."""
-    with _reporting(None):
+    with calls.reporting(None):
         # Imported here, not at the top: every other command must work without the MCP SDK
         # (the 'mcp' extra).
         with extras.needs("mcp", program="better-compute mcp"):

@@ -13,8 +13,6 @@ decide anything itself, or send a token anywhere but the configured API.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -23,7 +21,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bettercompute.cli import client, options, output, parsing, settings
+from bettercompute.cli import calls, client, options, output, parsing, settings
 from bettercompute.cli.settings import Output
 
 app = typer.Typer(
@@ -51,26 +49,6 @@ ConfirmationArgument = Annotated[
         show_default=False,
     ),
 ]
-
-
-@contextlib.contextmanager
-def _reporting(chosen: Output | None) -> Iterator[None]:
-    # As every command reports a refusal: "Error CODE: message" and its exit code.
-    try:
-        yield
-    except client.Failure as e:
-        output.failure(e, output=chosen or Output.TABLE)
-        raise typer.Exit(e.exit_code) from None
-
-
-def _tenant(found: settings.Settings) -> str:
-    """The tenant given (flag, environment, config file), else the token's own (``whoami``)."""
-    if found.tenant or not (found.url and found.token):
-        return settings.require_tenant(found)
-    with client.ApiClient(url=found.url, token=found.token) as api:
-        who = api.call("whoami", {})
-    tenant = who.get("tenantId") if isinstance(who, dict) else None
-    return tenant if isinstance(tenant, str) and tenant else settings.require_tenant(found)
 
 
 def _call(found: settings.Settings, operation: str, body: dict[str, Any]) -> Any:
@@ -101,9 +79,9 @@ def list_(
     """Confirmations that name you, as the person asked or the agent that asked.
 
     Newest first; a pending one past its deadline shows as expired."""
-    with _reporting(out):
+    with calls.reporting(out):
         found = settings.resolve(url=url, token=token, tenant=tenant, output=out)
-        body: dict[str, Any] = {"tenantId": _tenant(found)}
+        body: dict[str, Any] = {"tenantId": calls.tenant(found)}
         if state is not None:
             body["state"] = state
         answer = _call(found, "confirmations/list", body)
@@ -154,9 +132,9 @@ def _decide(
     token: str | None,
     out: Output | None,
 ) -> None:
-    with _reporting(out):
+    with calls.reporting(out):
         found = settings.resolve(url=url, token=token, tenant=tenant, output=out)
-        body = {"tenantId": _tenant(found), "confirmationId": confirmation_id.strip()}
+        body = {"tenantId": calls.tenant(found), "confirmationId": confirmation_id.strip()}
         answer = _call(found, operation, body)
     output.emit(answer, output=found.output, table=confirmation)
 

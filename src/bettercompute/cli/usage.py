@@ -9,8 +9,6 @@ or send a token anywhere but the configured API.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -19,8 +17,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bettercompute.cli import client, options, output, parsing, settings
-from bettercompute.cli.settings import Output
+from bettercompute.cli import calls, client, options, output, parsing, settings
 
 _TIME_HELP = (
     "-7d (before now), +DURATION, now, an ISO 8601 time (local without an offset) or epoch ms"
@@ -89,9 +86,9 @@ def usage(
     GPU-h weighs a MIG instance as 1/7 of a GPU and a slot as 1/replicas; DEVICE-S counts every
     device alike. A span covers at most 366 days.
     """
-    with _reporting(out):
+    with calls.reporting(out):
         found = settings.resolve(url=url, token=token, tenant=tenant, output=out)
-        body: dict[str, Any] = {"tenantId": settings.require_tenant(found)}
+        body: dict[str, Any] = {"tenantId": calls.tenant(found)}
         if from_ is not None:
             body["from"] = _moment(from_)
         if to is not None:
@@ -101,16 +98,6 @@ def usage(
         with client.ApiClient(url=found.url, token=found.token) as api:
             answer = api.call("usage/report", body)
     output.emit(answer, output=found.output, table=report_table, keep_whole=True)
-
-
-@contextlib.contextmanager
-def _reporting(chosen: Output | None) -> Iterator[None]:
-    # As every command reports a refusal: "Error CODE: message" and its exit code.
-    try:
-        yield
-    except client.Failure as e:
-        output.failure(e, output=chosen or Output.TABLE)
-        raise typer.Exit(e.exit_code) from None
 
 
 def report_table(data: Any) -> RenderableType:
