@@ -555,17 +555,7 @@ class ReservationService:
         self._precheck(caller, value.tenantId)
         if value.state is not None and value.state not in {s.value for s in states.State}:
             raise errors.invalid_input("state", f"unknown state {value.state!r}")
-        decision = await self._decide(
-            ports.DecisionRequest(
-                principal=caller,
-                action=ports.READ,
-                resource_type="tenant",
-                resource_id=value.tenantId,
-                tenant_id=value.tenantId,
-            )
-        )
-        if not decision.allowed:
-            raise errors.access_denied(f"not allowed to list reservations of {value.tenantId}")
+        await self.read_tenant(caller, value.tenantId, what="list reservations of")
         items, cursor = await queries.list_reservations(
             self.db,
             tenant_id=value.tenantId,
@@ -732,14 +722,28 @@ class ReservationService:
         self._precheck(caller, value.tenantId)
         return {"items": await capacity.pools(self.db, tenant_id=value.tenantId)}
 
+    async def read_tenant(self, caller: ports.Caller, tenant_id: str, *, what: str) -> None:
+        """The pre-check, then the policy's ``read`` on the tenant (``reservations.list``,
+        ``usage.report``); ``ACCESS_DENIED`` saying what was not allowed."""
+        self._precheck(caller, tenant_id)
+        decision = await self._decide(
+            ports.DecisionRequest(
+                principal=caller,
+                action=ports.READ,
+                resource_type="tenant",
+                resource_id=tenant_id,
+                tenant_id=tenant_id,
+            )
+        )
+        if not decision.allowed:
+            raise errors.access_denied(f"not allowed to {what} {tenant_id}")
+
     async def usage_report(
         self, caller: ports.Caller, data: Mapping[str, Any]
     ) -> answers.UsageReport:
-        """``usage.report``: the tenant's billed usage (``service.usage``), under this
-        service's pre-check and policy decisions."""
-        return await usage_reports.report(
-            self.db, caller, data, precheck=self._precheck, decide=self._decide
-        )
+        """``usage.report``: the tenant's billed usage (``service.usage``), read as
+        ``read_tenant`` allows."""
+        return await usage_reports.report(self.db, caller, data, may_read=self.read_tenant)
 
     async def quotas(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
         """``quotas.get``: the tenant's quota, per resource its limit and what is charged now

@@ -1,8 +1,8 @@
 """``usage.report``: a tenant's billed GPU usage over a span, by pool, project or day.
 
 Why a module of its own: the report is a read of the usage ledger (``store/usage.py``) with the
-reservation API's tenancy rules, and nothing of admission; the reservation service only hands
-it its pre-check and its policy decisions, so both stay the same rules everywhere.
+reservation API's tenancy rules, and nothing of admission; the reservation service hands it its
+``read_tenant`` (pre-check and policy decision), so both stay the same rules everywhere.
 
 Tenancy: the caller's tenant must be the asked tenant (or the root tenant), answered before
 anything is read, then the policy engine decides ``read`` on the tenant, as
@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
-from bettercompute.core import answers, errors, ports, requests, usage
+from bettercompute.core import answers, ports, requests, usage
 from bettercompute.store import usage as ledger
 from bettercompute.store.database import Database
 
-Precheck = Callable[[ports.Caller, str], None]
-Decide = Callable[[ports.DecisionRequest], Awaitable[ports.Decision]]
+#: The reservation service's ``read_tenant``: its pre-check and the policy's ``read``.
+MayRead = Callable[..., Awaitable[None]]
 
 
 async def report(
@@ -28,22 +28,10 @@ async def report(
     caller: ports.Caller,
     data: Mapping[str, Any],
     *,
-    precheck: Precheck,
-    decide: Decide,
+    may_read: MayRead,
 ) -> answers.UsageReport:
     value = requests.parse(usage.UsageReportInput, data)
-    precheck(caller, value.tenantId)
-    decision = await decide(
-        ports.DecisionRequest(
-            principal=caller,
-            action=ports.READ,
-            resource_type="tenant",
-            resource_id=value.tenantId,
-            tenant_id=value.tenantId,
-        )
-    )
-    if not decision.allowed:
-        raise errors.access_denied(f"not allowed to read the usage of {value.tenantId}")
+    await may_read(caller, value.tenantId, what="read the usage of")
     start, end = usage.report_span(value, now_ms=await ledger.now_ms(db))
     billed = await ledger.report(
         db, tenant_id=value.tenantId, from_ms=start, to_ms=end, by=value.by
