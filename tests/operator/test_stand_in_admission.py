@@ -796,10 +796,10 @@ async def _webhooks_listen(port: int) -> None:
         return
 
 
-async def test_the_real_operator_stamps_and_checks_reservations_through_the_chain(
-    world: World, operator: Operator, chart_webhooks: list[dict[str, Any]]
+async def _register_chart_webhooks(
+    kube: KubeApi, operator: Operator, chart_webhooks: list[dict[str, Any]]
 ) -> None:
-    kube = world.kube
+    """The chart's webhook configurations, pointed at the running operator's webhook server."""
     port = operator.runtime.config.webhook_port
     assert port is not None
     await _webhooks_listen(port)
@@ -809,6 +809,13 @@ async def test_the_real_operator_stamps_and_checks_reservations_through_the_chai
             f"http://127.0.0.1:{port}"
         )
         await kube.create(copy.deepcopy(configuration_obj))
+
+
+async def test_the_real_operator_stamps_and_checks_reservations_through_the_chain(
+    world: World, operator: Operator, chart_webhooks: list[dict[str, Any]]
+) -> None:
+    kube = world.kube
+    await _register_chart_webhooks(kube, operator, chart_webhooks)
     kube.tokens["t-alice"] = ALICE
     async with httpx.AsyncClient(base_url=kube.url, timeout=15.0) as http:
         alice = Client(http, "t-alice")
@@ -861,3 +868,37 @@ async def test_the_real_operator_stamps_and_checks_reservations_through_the_chai
     after = kube.stored(RESERVATIONS, "ml", "train")
     assert after["spec"]["poolId"] == "h100"
     assert after["metadata"]["annotations"]["bcd.dev/requested-by"] == "alice@acme"
+
+
+async def test_the_chain_stamps_who_answered_a_confirmation(
+    world: World, operator: Operator, chart_webhooks: list[dict[str, Any]]
+) -> None:
+    """The chart's mutating webhook runs on an update that answers a confirmation (its
+    matchConditions) and stamps the real caller in bcd.dev/confirmed-by, whatever the caller
+    wrote there; an unstamped forgery by another write path is refused."""
+    kube = world.kube
+    await _register_chart_webhooks(kube, operator, chart_webhooks)
+    kube.tokens["t-alice"] = ALICE
+    kube.tokens["t-bob"] = {"username": "bob@acme", "uid": "u2", "groups": ["ml-team"]}
+    async with httpx.AsyncClient(base_url=kube.url, timeout=15.0) as http:
+        alice, bob = Client(http, "t-alice"), Client(http, "t-bob")
+        created = await alice.create(kubeworld.reservation("train").obj())
+        assert created.status_code == 201, created.text
+        path = RESERVATIONS.path(namespace="ml", name="train")
+        # bob answers, writing alice's name as the answerer: the stamp says bob.
+        forged = {"bcd.dev/confirmation": "approve", "bcd.dev/confirmed-by": "alice@acme"}
+        answered = await bob.send("PATCH", path, {"metadata": {"annotations": forged}})
+        assert answered.status_code == 200, answered.text
+        annotations = kube.stored(RESERVATIONS, "ml", "train")["metadata"]["annotations"]
+        assert annotations["bcd.dev/confirmed-by"] == "bob@acme"
+        # alice changes the answer: the stamp follows the caller.
+        mine = {"metadata": {"annotations": {"bcd.dev/confirmation": "deny"}}}
+        answered = await alice.send("PATCH", path, mine)
+        assert answered.status_code == 200, answered.text
+        annotations = kube.stored(RESERVATIONS, "ml", "train")["metadata"]["annotations"]
+        assert annotations["bcd.dev/confirmed-by"] == "alice@acme"
+        # Moving the stamp alone (no new answer) is refused by the validating webhook.
+        moved = {"metadata": {"annotations": {"bcd.dev/confirmed-by": "bob@acme"}}}
+        refused = await bob.send("PATCH", path, moved)
+        assert refused.status_code == 422, refused.text
+        assert "bcd.dev/confirmed-by]: is set by the webhook" in refused.json()["message"]
