@@ -114,7 +114,8 @@ def dev_config(writers: Sequence[Writer], *, acme_quota: int, globex_quota: int,
                 "sharing": "exclusive",
             }
         ],
-        "offers": [{"pool": POOL, "tenant": "globex", "onBudgetExceeded": "stop-new"}],
+        # drain: creates and extends are both checked, so no admitted change can overrun it.
+        "offers": [{"pool": POOL, "tenant": "globex", "onBudgetExceeded": "drain"}],
         "quotas": [
             {"tenant": "acme", "resource": "gpu:H100", "limit": acme_quota},
             {"tenant": "globex", "resource": "gpu:H100", "limit": globex_quota},
@@ -521,17 +522,12 @@ async def sql_checks(dsn: str, figures: Figures, *, final: bool) -> list[Check]:
             )
         )
 
-        # The spend as the budget check computes it (store/budgets.py).
+        # The spend as the budget check computes it (store/budgets.py, bc_budget_state): hours
+        # used in the window plus hours still booked. Under drain every create and extend is
+        # checked against it under the tenant's budget lock, so it never passes the budget.
         budgets = await rows(
-            "SELECT b.tenant_id, b.gpu_hours AS budget, coalesce(sum("
-            "   ((a.attributes ->> 'gpuCount')::numeric"
-            "    + coalesce((a.attributes ->> 'gpuSlices')::numeric, 0) / 7)"
-            "   * (a.attributes ->> 'durationHours')::numeric), 0) AS spent"
-            "  FROM budgets b LEFT JOIN reservations r ON r.tenant_id = b.tenant_id"
-            "   AND r.state NOT IN ('draft', 'denied', 'awaiting-confirmation')"
-            "   AND r.created_at > compute_now() - b.window_seconds * interval '1 second'"
-            "  LEFT JOIN authz_resources a ON a.id = r.id"
-            " GROUP BY 1, 2 ORDER BY 1"
+            "SELECT b.tenant_id, b.gpu_hours AS budget, s.spent"
+            "  FROM budgets b, LATERAL bc_budget_state(b.tenant_id) s ORDER BY 1"
         )
         unprojected = (
             await rows(
