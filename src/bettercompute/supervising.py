@@ -110,12 +110,28 @@ async def _keep_running(
         await asyncio.sleep(delay)
 
 
+#: How long ``cancel`` waits before it cancels a task that is still running again.
+CANCEL_AGAIN_S = 0.5
+
+
 async def cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel every task and wait until all have ended."""
-    pending = list(tasks)
-    for each in pending:
-        each.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    """Cancel every task and wait until all have ended.
+
+    Why again and again: on Python 3.11 a cancellation that lands just as an awaited database
+    call completes can be lost inside ``asyncio.wait_for`` (psycopg waits with it), and the
+    loop then goes back to its sleep as if nothing happened; seen with the garbage collector's
+    hour-long sleep holding ``dev`` open at shutdown. A task still running after
+    ``CANCEL_AGAIN_S`` is cancelled once more.
+    """
+    every = list(tasks)
+    pending = {t for t in every if not t.done()}
+    while pending:
+        for each in pending:
+            each.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+    for each in every:
+        if not each.cancelled():
+            each.exception()  # retrieved: a failure was logged where it happened
 
 
 class Signals:

@@ -6,27 +6,38 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from bettercompute.core.errors import ComputeError
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.store.test_admission import acme, create_input
+from tests.support.placers import PLACERS, placer_policy, placers, wait_input
 from tests.support.policies import CountingPolicy
 from tests.support.world import World
 
+# Every test here runs with both placers: inline, and pool-lease with a placer loop beside
+# each service (replica), creates waiting for their batch.
+pytestmark = pytest.mark.parametrize("placer", PLACERS)
+
 
 async def test_fifty_concurrent_creates_with_one_key_make_one_reservation(
-    db: Database, make_service: Any
+    db: Database, make_service: Any, placer: str
 ):
-    await acme(db)
+    await acme(db, policy=placer_policy(placer))
     policy = CountingPolicy()
     # Two services on one database stand for two replicas: the in-process single flight of
     # one cannot help the other, so the idempotency row's claim must.
     replicas = [make_service(policy), make_service(policy)]
-    views = await asyncio.gather(
-        *(replicas[i % 2].create(caller(), create_input()) for i in range(50))
-    )
+    async with placers(db, replicas, placer=placer):
+        views = await asyncio.gather(
+            *(
+                replicas[i % 2].create(caller(), wait_input(placer, create_input()))
+                for i in range(50)
+            )
+        )
     assert len({v["id"] for v in views}) == 1
     assert {v["state"] for v in views} == {"placed"}
     assert policy.creates == 1
@@ -38,14 +49,17 @@ async def test_fifty_concurrent_creates_with_one_key_make_one_reservation(
                 " (SELECT count(*) FROM outbox) AS e"
             )
         ).fetchone()
-    assert counts == {"r": 1, "b": 4, "e": 1}
+    # A queued create has its reservation.queued event besides reservation.placed.
+    assert counts == {"r": 1, "b": 4, "e": 1 if placer == "inline" else 2}
 
 
-async def test_three_hundred_creates_race_for_sixty_four_gpus(db: Database, make_service: Any):
+async def test_three_hundred_creates_race_for_sixty_four_gpus(
+    db: Database, make_service: Any, placer: str
+):
     await (
         World(db)
         .tenant("acme")
-        .pool("pool_a", owner="acme")
+        .pool("pool_a", owner="acme", policy=placer_policy(placer))
         .nodes("pool_a", 8)
         .quota("acme", "gpu:H100", 10_000)
         .build()
@@ -55,12 +69,16 @@ async def test_three_hundred_creates_race_for_sixty_four_gpus(db: Database, make
     async def one(i: int) -> dict[str, Any]:
         return await services[i % 2].create(
             caller(f"user{i % 7}"),
-            create_input(
-                idempotencyKey=f"race-{i}", devices=[{"class": "gpu", "count": 1 + i % 2}]
+            wait_input(
+                placer,
+                create_input(
+                    idempotencyKey=f"race-{i}", devices=[{"class": "gpu", "count": 1 + i % 2}]
+                ),
             ),
         )
 
-    views = await asyncio.gather(*(one(i) for i in range(300)))
+    async with placers(db, services, placer=placer):
+        views = await asyncio.gather(*(one(i) for i in range(300)))
     placed = [v for v in views if v["state"] == "placed"]
     pending = [v for v in views if v["state"] == "pending"]
     assert len(placed) + len(pending) == 300
@@ -85,22 +103,28 @@ async def test_three_hundred_creates_race_for_sixty_four_gpus(db: Database, make
     assert atoms == {"n": booked}
 
 
-async def test_quota_is_never_negative_and_charges_exactly(db: Database, make_service: Any):
-    await acme(db, gpus=10, nodes=8)
+async def test_quota_is_never_negative_and_charges_exactly(
+    db: Database, make_service: Any, placer: str
+):
+    await acme(db, gpus=10, nodes=8, policy=placer_policy(placer))
     service: ReservationService = make_service()
 
     async def one(i: int) -> str:
         try:
             view = await service.create(
                 caller(),
-                create_input(idempotencyKey=f"q{i}", devices=[{"class": "gpu", "count": 1}]),
+                wait_input(
+                    placer,
+                    create_input(idempotencyKey=f"q{i}", devices=[{"class": "gpu", "count": 1}]),
+                ),
             )
         except ComputeError as e:
             return e.code.value
         await service.release(caller(), {"tenantId": "acme", "reservationId": view["id"]})
         return "released"
 
-    outcomes = await asyncio.gather(*(one(i) for i in range(60)))
+    async with placers(db, [service], placer=placer):
+        outcomes = await asyncio.gather(*(one(i) for i in range(60)))
     assert set(outcomes) <= {"released", "QUOTA_EXCEEDED"}
     assert "released" in outcomes
     assert (await inventory.quota(db, tenant_id="acme", resource="gpu:H100")) == (10, 0)
@@ -113,9 +137,13 @@ async def test_quota_is_never_negative_and_charges_exactly(db: Database, make_se
     assert with_constraint == {"n": 1}
 
 
-async def test_concurrent_extends_one_holds_the_slot(db: Database, service: ReservationService):
-    await acme(db)
-    view = await service.create(caller(), create_input(duration="1h"))
+async def test_concurrent_extends_one_holds_the_slot(
+    db: Database, service: ReservationService, placer: str
+):
+    await acme(db, policy=placer_policy(placer))
+    async with placers(db, [service], placer=placer):
+        view = await service.create(caller(), wait_input(placer, create_input(duration="1h")))
+    assert view["state"] == "placed"
 
     async def extend(i: int) -> Any:
         try:

@@ -28,6 +28,8 @@ _TABLES = (
     " tenants, node_certificate_revocations, revoked_certificates"
     # The usage ledger (migration 0011) keeps no foreign keys: the ledger outlives what it bills.
     ", usage_intervals, usage_totals, atom_health_changes"
+    # The pool-lease placer's leases (migration 0013).
+    ", pool_leases"
 )
 
 

@@ -274,6 +274,10 @@ def _pending(r: Reservation, now: dt.datetime) -> Step:
             Condition.UNSCHEDULABLE,
             now,
         )
+    if pool.pool_lease and states.has_condition(r.conditions, Condition.QUEUED):
+        # Queued for the pool-lease placer: its batch places it, never the reconciler (a pool
+        # switched back to inline has its queued reservations placed here instead).
+        return NothingDue()
     # The requested start is kept while it is ahead; once it has passed, the window begins at
     # placement with the full duration.
     start = max(now, r.requested_start) if r.requested_start is not None else now

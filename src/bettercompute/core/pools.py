@@ -36,6 +36,10 @@ CLASS_FOR_MODE = {"exclusive": "gpu", "mig": "mig", "timeslice": "slot", "mps": 
 DEFAULT_SPOT_NOTICE_S = 120
 #: The pool's ``maxPending`` when its policy names none: 24 hours.
 DEFAULT_MAX_PENDING_MS = 24 * 3_600_000
+#: The pool-lease placer's defaults: how often its holder looks for queued work without a
+#: wake-up, and the most reservations one batch places.
+DEFAULT_BATCH_MS = 200
+DEFAULT_MAX_BATCH = 256
 
 CAP_BINDING_KUBERNETES = "bc.dev/cap.binding.kubernetes"
 CAP_DEVICES_LIMITS = "bc.dev/cap.devices.limits"
@@ -114,6 +118,12 @@ class PoolPolicy(Model):
     admission: Admission | None = None
     hostReserve: HostReserve | None = None
     spot: Spot | None = None
+    #: Who places: ``inline`` (the default) in the create's own transaction, or ``pool-lease``:
+    #: the create is queued and the replica holding the pool's lease places queued requests in
+    #: batches (``batchMs``, ``maxBatch``).
+    placer: Literal["inline", "pool-lease"] | None = None
+    batchMs: int | None = Field(default=None, ge=10, le=60_000)
+    maxBatch: int | None = Field(default=None, ge=1, le=4096)
 
     @field_validator("maxPending")
     @classmethod
@@ -324,6 +334,21 @@ class PoolInfo:
     def max_pending_ms(self) -> int:
         value = self.policy.maxPending
         return DEFAULT_MAX_PENDING_MS if value is None else durations.parse_duration_ms(value)
+
+    @property
+    def pool_lease(self) -> bool:
+        """Whether creates are queued for the pool-lease placer instead of placed inline."""
+        return self.policy.placer == "pool-lease"
+
+    @property
+    def batch_ms(self) -> int:
+        value = self.policy.batchMs
+        return DEFAULT_BATCH_MS if value is None else value
+
+    @property
+    def max_batch(self) -> int:
+        value = self.policy.maxBatch
+        return DEFAULT_MAX_BATCH if value is None else value
 
     @property
     def wants_budget_check(self) -> bool:

@@ -59,6 +59,7 @@ from bettercompute.deviceplugin.converging import Converger
 from bettercompute.iam.identities import StaticTokenAuthenticator
 from bettercompute.service import backing
 from bettercompute.service.backing import Database, EmbeddedPostgres
+from bettercompute.service.batching import PoolPlacer
 from bettercompute.service.clusters import ClusterService
 from bettercompute.service.collecting import Collector
 from bettercompute.service.nodes import NodeService
@@ -286,6 +287,8 @@ async def started(
                 supervising.restarting(lambda: keep_postgres_up(embedded), name="postgres-watchdog")
             )
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
+        placer = PoolPlacer(db, signals=service.signals)
+        tasks.append(supervising.restarting(placer.run, name="placer"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         tasks.append(supervising.restarting(WebhookDelivery(db).run, name="webhooks"))
         node_service = NodeService(db)

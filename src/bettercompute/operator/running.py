@@ -57,6 +57,7 @@ from bettercompute.operator.reserving import ReservationDoor
 from bettercompute.operator.runtime import Runtime
 from bettercompute.service import backing
 from bettercompute.service.backing import Database
+from bettercompute.service.batching import PoolPlacer
 from bettercompute.service.clusters import ClusterService
 from bettercompute.service.collecting import Collector
 from bettercompute.service.events import EventDelivery
@@ -275,6 +276,8 @@ async def started(
         stack.push_async_callback(supervising.cancel, tasks)
         # Loops that must never end: a failure is logged and the loop restarted.
         tasks.append(supervising.restarting(Reconciler(db).run, name="reconciler"))
+        placer = PoolPlacer(db, signals=service.signals)
+        tasks.append(supervising.restarting(placer.run, name="placer"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
         tasks.append(supervising.restarting(lambda: projector.run(listen=listen), name="projector"))
         tasks.append(supervising.restarting(allocations.run, name="allocations"))

@@ -29,6 +29,7 @@ from bettercompute.core import answers, errors, ids, pools, ports, requests, sta
 from bettercompute.core import attestation as attestation_
 from bettercompute.core import usage as core_usage
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
+from bettercompute.service import batching
 from bettercompute.service import usage as usage_reports
 from bettercompute.store import (
     admission,
@@ -119,6 +120,9 @@ class ReservationService:
         self._observers: list[ports.AdmissionObserver] = []
         # Claims and holds whose giving back the database did not take yet (see _give_back).
         self._giving_back: set[asyncio.Task[None]] = set()
+        # Wake-ups shared with this process's pool-lease placer loop (service/batching.py): a
+        # queued create wakes it, a committed batch wakes the requests waiting on its pool.
+        self.signals = batching.Signals()
 
     def add_observer(self, observer: ports.AdmissionObserver) -> None:
         """Report decision and placement latencies to ``observer`` too (metrics)."""
@@ -345,6 +349,8 @@ class ReservationService:
             seconds = time.perf_counter() - started
             for observer in self._observers:
                 observer.placed(outcome=view["state"], seconds=seconds)
+            if draft.pool.pool_lease:
+                self.signals.queued(draft.pool.id)
             return _reservation(view)
         except BaseException as e:
             # The draft stays: the same key is decided again on retry (quota, budget, a
@@ -470,7 +476,11 @@ class ReservationService:
 
     async def _wait(self, view: answers.Reservation, *, timeout_ms: int) -> answers.Reservation:
         """Re-read until the operation stops running, backing off 50 ms → 1 s; a timeout
-        returns the last read (not an error)."""
+        returns the last read (not an error).
+
+        A committed batch of the reservation's pool (``Signals.placed``) cuts a pause short, so
+        a queued reservation is answered as soon as its batch placed it.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         delay = 0.05
@@ -478,7 +488,7 @@ class ReservationService:
             left = deadline - loop.time()
             if left <= 0:
                 break
-            await asyncio.sleep(min(delay, left))
+            await self.signals.wait_placed(view["poolId"], within_s=min(delay, left))
             delay = min(delay * 2, 1.0)
             view = await self._view(view["id"])
         return view

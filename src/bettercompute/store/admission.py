@@ -33,6 +33,9 @@ from bettercompute.store import budgets, journal, placing, preempting, quotas, v
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Database, jsonb, script, scripted
 
+#: The ``Queued`` condition's message while a reservation waits for its batch.
+QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
+
 #: The last resort for a live holder that hung: its claim is taken over after this long.
 CLAIM_TTL = dt.timedelta(seconds=30)
 
@@ -260,6 +263,16 @@ async def commit(
         **attributes.quota_demand(request, gpu_model=draft.pool.gpu_model),
         **hosts.quota_excess(request, host_share=draft.host_share),
     }
+    if draft.pool.pool_lease:
+        return await _queue(
+            db,
+            draft=draft,
+            actor=actor,
+            tenant_id=tenant_id,
+            context=context,
+            demand=demand,
+            budget_hours=budget_hours,
+        )
     for attempt in range(2):
         try:
             return await _commit_once(
@@ -279,6 +292,64 @@ async def commit(
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+async def _queue(
+    db: Database,
+    *,
+    draft: Draft,
+    actor: str,
+    tenant_id: str,
+    context: Mapping[str, Any],
+    demand: Mapping[str, int],
+    budget_hours: float | None,
+) -> dict[str, Any]:
+    """Transaction 2 on a pool-lease pool: quota charged, the reservation queued (``pending``
+    with ``Queued/PoolPlacer``) for the holder of the pool's lease to place in its next batch.
+
+    No pool lock and no snapshot: that is the batch's work (``store/batching.py``), which is
+    what lets creates on one pool commit side by side.
+    """
+    resources = sorted(demand)
+    async with scripted(db) as conn:
+        [[begun]] = await script(
+            conn,
+            "BEGIN; SELECT * FROM bc_admission_queue(%s, %s, %s, %s, %s, %s, %s, %s::numeric,"
+            " jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,"
+            " 'since', epoch_ms(compute_now())), %s, %s, %s)",
+            (
+                draft.idempotency_id,
+                draft.claim,
+                draft.pool.id,
+                tenant_id,
+                resources,
+                [demand[r] for r in resources],
+                draft.reservation_id,
+                budget_hours,
+                states.Condition.QUEUED.value,
+                states.Reason.POOL_PLACER.value,
+                QUEUED_MESSAGE,
+                jsonb(dict(demand)),
+                actor,
+                jsonb(dict(context)),
+            ),
+        )
+        if not begun["mine"]:
+            raise ComputeError(
+                ErrorCode.CONFLICT,
+                "another request with this idempotency key took over its admission",
+                {"reservationId": draft.reservation_id},
+            )
+        if begun["budget_short"] is not None:
+            raise budgets.short_error(begun["budget_short"])
+        if begun["quota_short"] is not None:
+            raise quotas.short_error(begun["quota_short"])
+        [[view]] = await script(
+            conn,
+            f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
+            (draft.reservation_id,),
+        )
+    return views.to_view(view)
 
 
 async def _commit_once(

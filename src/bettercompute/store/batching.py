@@ -1,0 +1,320 @@
+"""The pool-lease placer's SQL: the pool's lease, and one batch of queued reservations.
+
+Why it exists: on a pool whose policy says ``placer: pool-lease`` a create ends queued
+(``store/admission.py``) and one replica, the holder of the pool's lease, places what is queued
+in batches (``service/batching.py`` runs the loop). A batch is one transaction under the pool
+lock: the lease checked, the queued rows locked, one snapshot read, a pure plan
+(``core.batching.plan``), then guarded writes with the same statements the inline placer uses
+(``store/placing.py``), so a batch-placed reservation is exactly what an inline one is.
+
+The lease (migration 0013) keeps two replicas from both placing a pool: the batch locks the
+lease row and places only while it is this holder's, at this epoch, unexpired. Even without
+it no reservation could be placed twice: the queued rows are read and locked under the pool
+lock and placing moves them out of the queued state in the same transaction.
+
+What it must never do: decide policy, charge quota (transaction 2 did, and a pending
+reservation keeps its charge), or place a reservation that is not queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bettercompute.core import batching, placement, pools
+from bettercompute.store import placing, preempting
+from bettercompute.store import pools as pool_rows
+from bettercompute.store.database import Conn, Database, Row
+
+#: A batch transaction may run longer than a create's (hundreds of reservations in one).
+BATCH_WITHIN_S = 15.0
+
+_QUEUED = """
+    WITH q AS (
+        SELECT r.id, coalesce(r.requested_start, r.created_at) AS requested, r.created_at,
+               row_number() OVER (PARTITION BY r.tenant_id
+                                  ORDER BY coalesce(r.requested_start, r.created_at),
+                                           r.created_at, r.id) AS turn
+          FROM reservations r
+         WHERE r.pool_id = %(pool)s AND r.state = 'pending'
+           AND r.conditions @> '[{"type": "Queued"}]'
+    ), picked AS (
+        SELECT q.id FROM q ORDER BY q.turn, q.requested, q.created_at, q.id LIMIT %(limit)s
+    )
+    SELECT r.id, r.tenant_id, r.request, r.requested_start, r.created_at, r.duration,
+           r.lease_seconds
+      FROM reservations r
+     WHERE r.id IN (SELECT id FROM picked) AND r.state = 'pending'
+       AND r.conditions @> '[{"type": "Queued"}]'
+     ORDER BY r.id
+       FOR UPDATE SKIP LOCKED
+"""
+
+
+class LeaseLost(Exception):
+    """The pool's lease is no longer this holder's: the batch placed nothing."""
+
+
+@dataclass(frozen=True)
+class LeasePool:
+    """A pool whose policy asks for the pool-lease placer, with its batch settings."""
+
+    id: str
+    batch_ms: int
+    max_batch: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one batch did: the reservations it placed and those left pending (no fit)."""
+
+    placed: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.placed) + len(self.pending)
+
+
+async def lease_pools(db: Database) -> list[LeasePool]:
+    """The pools that use the pool-lease placer, archived ones included (what is queued there
+    still needs placing or failing)."""
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT id, policy FROM pools WHERE policy ->> 'placer' = 'pool-lease' ORDER BY id"
+            )
+        ).fetchall()
+    out: list[LeasePool] = []
+    for row in rows:
+        policy = pools.PoolPolicy.stored(row["policy"])
+        out.append(
+            LeasePool(
+                id=row["id"],
+                batch_ms=policy.batchMs or pools.DEFAULT_BATCH_MS,
+                max_batch=policy.maxBatch or pools.DEFAULT_MAX_BATCH,
+            )
+        )
+    return out
+
+
+async def take_lease(db: Database, *, pool_id: str, holder: str, ttl: dt.timedelta) -> int | None:
+    """Take or renew the pool's lease until ``ttl`` from now (business time); the epoch held,
+    or ``None`` while another holder's lease runs."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT bc_pool_lease_take(%s, %s, %s) AS epoch", (pool_id, holder, ttl)
+            )
+        ).fetchone()
+    return None if row is None or row["epoch"] is None else int(row["epoch"])
+
+
+async def give_back_leases(db: Database, *, holder: str) -> None:
+    """End this holder's leases now, so another replica takes them over at once (a clean
+    stop; a crash leaves them to expire)."""
+    async with db.connection() as conn:
+        await conn.execute("DELETE FROM pool_leases WHERE holder = %s", (holder,))
+
+
+async def has_queued(db: Database, *, pool_id: str) -> bool:
+    """Whether anything waits for a batch, read without any lock (a cheap idle check)."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM reservations WHERE pool_id = %s"
+                " AND state = 'pending' AND conditions @> '[{\"type\": \"Queued\"}]') AS any",
+                (pool_id,),
+            )
+        ).fetchone()
+    return bool(row and row["any"])
+
+
+async def place_batch(
+    db: Database, *, pool_id: str, holder: str, epoch: int, max_batch: int
+) -> Batch:
+    """Place up to ``max_batch`` queued reservations of the pool in one transaction.
+
+    Raises ``LeaseLost`` (nothing written) when the lease is not this holder's at ``epoch``.
+    """
+    async with db.transaction(within_s=BATCH_WITHIN_S) as conn:
+        await placing.lock_pool(conn, pool_id)
+        lease = await (
+            await conn.execute(
+                "SELECT compute_now() AS now, inventory_version,"
+                " (SELECT l.expires_at > compute_now() FROM pool_leases l WHERE l.pool_id = p.id"
+                "    AND l.holder = %s AND l.epoch = %s FOR UPDATE) AS mine"
+                " FROM pools p WHERE p.id = %s",
+                (holder, epoch, pool_id),
+            )
+        ).fetchone()
+        if lease is None or not lease["mine"]:
+            raise LeaseLost(pool_id)
+        now: dt.datetime = lease["now"]
+        rows = await (await conn.execute(_QUEUED, {"pool": pool_id, "limit": max_batch})).fetchall()
+        if not rows:
+            return Batch()
+        queued: list[batching.Queued] = []
+        by_id: dict[str, Row] = {}
+        for row in rows:
+            start = max(now, row["requested_start"]) if row["requested_start"] else now
+            queued.append(
+                batching.Queued(
+                    reservation_id=row["id"],
+                    tenant_id=row["tenant_id"],
+                    requested=row["requested_start"] or row["created_at"],
+                    created=row["created_at"],
+                    start=start,
+                    end=start + row["duration"],
+                    demand=pools.demand(request=row["request"]),
+                )
+            )
+            by_id[row["id"]] = row
+        inventory = await placing.snapshot_from(
+            conn,
+            cache=db.inventory,
+            pool_id=pool_id,
+            version=int(lease["inventory_version"]),
+            busy=[],
+        )
+        booked = await _booked(
+            conn,
+            pool_id=pool_id,
+            start=min(q.start for q in queued),
+            end=max(q.end for q in queued),
+        )
+        decisions = batching.plan(
+            nodes=inventory.nodes, atoms=inventory.atoms, booked=booked, queued=queued
+        )
+        done = Batch()
+        unplaced: list[tuple[batching.Queued, placement.NoFit]] = []
+        # The placed first: a preemption below then sees the whole batch's bookings.
+        for decision in decisions:
+            q, outcome = decision.queued, decision.outcome
+            if isinstance(outcome, placement.NoFit):
+                unplaced.append((q, outcome))
+                continue
+            await _mark_placed(
+                conn,
+                pool_id=pool_id,
+                queued=q,
+                outcome=outcome,
+                atoms=inventory.atoms,
+                lease_seconds=by_id[q.reservation_id]["lease_seconds"],
+                now=now,
+            )
+            done.placed.append(q.reservation_id)
+        notice: dt.timedelta | None = None
+        for q, no_fit in unplaced:
+            request = by_id[q.reservation_id]["request"]
+            if not no_fit.never and not request.get("spot") and request.get("binding") != "node":
+                # A regular request may take the capacity of spot work, as inline.
+                if notice is None:
+                    info = await pool_rows.read_pool(conn, pool_id=pool_id, tenant_id=q.tenant_id)
+                    notice = dt.timedelta(
+                        seconds=info.spot_notice_s if info else pools.DEFAULT_SPOT_NOTICE_S
+                    )
+                preempted = await preempting.preempt(
+                    conn,
+                    cache=db.inventory,
+                    pool_id=pool_id,
+                    reservation_id=q.reservation_id,
+                    demand=q.demand,
+                    start=q.start,
+                    end=q.end,
+                    now=now,
+                    notice=notice,
+                )
+                if preempted is not None:
+                    outcome, snap, start, end = preempted
+                    await _mark_placed(
+                        conn,
+                        pool_id=pool_id,
+                        queued=dataclasses.replace(q, start=start, end=end),
+                        outcome=outcome,
+                        atoms=snap.atoms,
+                        lease_seconds=by_id[q.reservation_id]["lease_seconds"],
+                        now=now,
+                    )
+                    done.placed.append(q.reservation_id)
+                    continue
+            # Left exactly as the inline placer leaves what does not fit: pending with
+            # Unschedulable/NoFit, retried by the reconciler (every 30 s, at once when
+            # capacity is freed).
+            await conn.execute(
+                *placing.mark_pending_statement(
+                    reservation_id=q.reservation_id,
+                    pool_id=pool_id,
+                    message=no_fit.message,
+                    now=now,
+                    first=True,
+                )
+            )
+            done.pending.append(q.reservation_id)
+        # Waiters on every replica learn the batch committed (service/batching.py).
+        await conn.execute("SELECT pg_notify('compute_placer', %s)", (f"placed:{pool_id}",))
+        return done
+
+
+async def _booked(
+    conn: Conn, *, pool_id: str, start: dt.datetime, end: dt.datetime
+) -> list[batching.Booked]:
+    """The pool's bookings that overlap [start, end): the one snapshot of the batch."""
+    rows = await (
+        await conn.execute(
+            "SELECT atom_id, lower(during) AS s, upper(during) AS e, host_node, host_vcpu,"
+            " host_memory_gib, host_hugepages_1gi FROM bookings"
+            " WHERE pool_id = %s AND during && tstzrange(%s, %s)",
+            (pool_id, start, end),
+        )
+    ).fetchall()
+    return [
+        batching.Booked(
+            atom_id=r["atom_id"],
+            start=r["s"],
+            end=r["e"],
+            host_node=r["host_node"],
+            host={
+                "vcpu": r["host_vcpu"],
+                "memoryGiB": r["host_memory_gib"],
+                "hugepages1Gi": r["host_hugepages_1gi"],
+            },
+        )
+        for r in rows
+    ]
+
+
+async def _mark_placed(
+    conn: Conn,
+    *,
+    pool_id: str,
+    queued: batching.Queued,
+    outcome: placement.Placed,
+    atoms: Sequence[placement.Atom],
+    lease_seconds: int | None,
+    now: dt.datetime,
+) -> None:
+    """Book and mark placed, with the inline placer's statements (no quota: charged at
+    transaction 2)."""
+    book_sql, book_params = placing.book_statement(
+        reservation_id=queued.reservation_id,
+        pool_id=pool_id,
+        outcome=outcome,
+        atoms=atoms,
+        start=queued.start,
+        end=queued.end,
+        host=queued.demand.host,
+    )
+    mark_sql, mark_params = placing.mark_placed_statement(
+        reservation_id=queued.reservation_id,
+        pool_id=pool_id,
+        outcome=outcome,
+        start=queued.start,
+        end=queued.end,
+        lease=now + dt.timedelta(seconds=lease_seconds) if lease_seconds else None,
+        now=now,
+    )
+    await conn.execute(book_sql, book_params)
+    await conn.execute(mark_sql, mark_params)
