@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bettercompute.dev import config as dev_config
 from bettercompute.dev import running
 from tests.cli.conftest import Result, run_cli
 
@@ -93,3 +94,44 @@ async def test_the_walkthrough_against_a_live_dev_stack(tmp_path: Path) -> None:
             assert released.json()["releaseReason"] == "release"
     finally:
         shutil.rmtree(state.parent, ignore_errors=True)
+
+
+async def test_reserve_waits_for_the_pool_lease_placer_of_a_live_dev_stack(
+    tmp_path: Path,
+) -> None:
+    # The demo world with its H100 pool placed by the pool-lease placer: `reserve --wait`
+    # answers the reservation its batch placed, through dev's own placer loop.
+    demo = dev_config.demo_path().read_text()
+    assert "      maxPending: 24h\n" in demo
+    config = tmp_path / "lease.yaml"
+    config.write_text(
+        demo.replace("      maxPending: 24h\n", "      maxPending: 24h\n      placer: pool-lease\n")
+    )
+    state = Path(tempfile.mkdtemp(prefix="bc-cli-dev-")) / "state"
+    try:
+        async with running.started(port=0, sim=1, state_dir=state, config=config) as dev:
+            env = {"BETTER_COMPUTE_URL": dev.url, "BETTER_COMPUTE_TOKEN": dev.tokens["alice@acme"]}
+            reserved = await run_cli(
+                "reserve",
+                "--tenant",
+                "acme",
+                "--pool",
+                "pool_h100",
+                "--gpus",
+                "4",
+                "--for",
+                "1h",
+                "--key",
+                "queued-1",
+                "--wait",
+                "20",
+                "-o",
+                "json",
+                home=tmp_path,
+                env=env,
+            )
+            assert reserved.rc == 0, reserved
+            assert reserved.json()["state"] == "placed", reserved.json()
+            assert reserved.json()["operation"]["state"] == "succeeded"
+    finally:
+        await asyncio.to_thread(shutil.rmtree, state.parent, ignore_errors=True)

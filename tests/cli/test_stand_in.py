@@ -1,6 +1,6 @@
 """The CLI against a stand-in HTTP server, for answers the real API cannot be made to give on
-demand: a reservation that stays ``Queued`` (there is no pool-lease placer yet), a proxy's HTML
-page, an internal error.
+demand: a reservation that stays ``Queued`` for as many reads as a test wants (the real
+pool-lease placer is followed in ``test_against_dev.py``), a proxy's HTML page, an internal error.
 
 The stand-in sits at the CLI's own boundary (HTTP on a real socket), like kopf's kmock: the CLI
 under test is the real one, run as a subprocess.
