@@ -349,3 +349,29 @@ async def test_the_reconciler_leaves_a_queued_reservation_to_the_batch(
     got = await service.get(caller(), {"tenantId": "acme", "reservationId": view["id"]})
     assert got["state"] == "pending"
     assert states.has_condition(got["conditions"], states.Condition.QUEUED)
+
+
+async def test_a_regular_request_in_a_batch_preempts_spot_work_as_inline(
+    db: Database, service: ReservationService
+):
+    await lease_world(db, nodes=1)  # 8 GPUs
+    later = 4_000_000_000_000  # both in the same future window: neither has started
+    spot = await service.create(
+        caller(),
+        create_input(
+            idempotencyKey="spot", devices=[{"class": "gpu", "count": 8}], start=later, spot=True
+        ),
+    )
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert (await placer.place("pool_a")).placed == [spot["id"]]
+    regular = await service.create(
+        caller(),
+        create_input(idempotencyKey="regular", devices=[{"class": "gpu", "count": 4}], start=later),
+    )
+    assert (await placer.place("pool_a")).placed == [regular["id"]]
+    requeued = await service.get(caller(), {"tenantId": "acme", "reservationId": spot["id"]})
+    assert requeued["state"] == "pending"
+    [cond] = requeued["conditions"]
+    assert (cond["type"], cond["reason"]) == ("Unschedulable", "SpotPreempted")
+    assert await overlapping_bookings(db) == 0

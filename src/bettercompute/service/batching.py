@@ -30,6 +30,8 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from bettercompute import supervising
 from bettercompute.core import ids
@@ -58,6 +60,10 @@ class Signals:
         self.work = asyncio.Event()
         self._queued: set[str] = set()
         self._placed: dict[str, asyncio.Event] = {}
+        # Reservation id -> how many requests here wait on it; and the views a batch of this
+        # process handed over for them (taken by the waiter, so never more than are waited on).
+        self._watched: dict[str, int] = {}
+        self._views: dict[str, dict[str, Any]] = {}
 
     def queued(self, pool_id: str) -> None:
         """Something was queued in ``pool_id``: wake its holder (if it is this process)."""
@@ -70,11 +76,33 @@ class Signals:
         self.work.clear()
         return woken
 
-    def placed(self, pool_id: str) -> None:
-        """A batch of ``pool_id`` committed: wake whoever waits on the pool."""
+    def placed(self, pool_id: str, views: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """A batch of ``pool_id`` committed: wake whoever waits on the pool, handing over the
+        ``views`` (reservation id -> view as committed) that somebody here waits for."""
+        for rid, view in (views or {}).items():
+            if rid in self._watched:
+                self._views[rid] = view
         event = self._placed.pop(pool_id, None)
         if event is not None:
             event.set()
+
+    @contextlib.contextmanager
+    def watching(self, reservation_id: str) -> Iterator[Callable[[], dict[str, Any] | None]]:
+        """While a request waits on ``reservation_id``: what a batch here handed over for it
+        (``None`` when nothing was, and the waiter reads it itself)."""
+        self._watched[reservation_id] = self._watched.get(reservation_id, 0) + 1
+
+        def handed() -> dict[str, Any] | None:
+            return self._views.get(reservation_id)
+
+        try:
+            yield handed
+        finally:
+            left = self._watched.pop(reservation_id) - 1
+            if left:
+                self._watched[reservation_id] = left
+            else:
+                self._views.pop(reservation_id, None)
 
     async def wait_placed(self, pool_id: str, *, within_s: float) -> None:
         """Until the pool's next batch commits, or ``within_s`` seconds."""
@@ -152,7 +180,7 @@ class PoolPlacer:
             total.placed.extend(batch.placed)
             total.pending.extend(batch.pending)
             if batch.size:
-                self.signals.placed(pool_id)
+                self.signals.placed(pool_id, batch.views)
             if batch.size < pool.max_batch:
                 break
         return total

@@ -484,13 +484,16 @@ class ReservationService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         delay = 0.05
-        while view["operation"]["state"] == "running":
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            await self.signals.wait_placed(view["poolId"], within_s=min(delay, left))
-            delay = min(delay * 2, 1.0)
-            view = await self._view(view["id"])
+        with self.signals.watching(view["id"]) as handed:
+            while view["operation"]["state"] == "running":
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                await self.signals.wait_placed(view["poolId"], within_s=min(delay, left))
+                delay = min(delay * 2, 1.0)
+                # A batch of this process hands its view over: no read of our own.
+                given = handed()
+                view = _reservation(given) if given is not None else await self._view(view["id"])
         return view
 
     async def _view(self, rid: str) -> answers.Reservation:

@@ -22,9 +22,10 @@ import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bettercompute.core import batching, placement, pools
-from bettercompute.store import placing, preempting
+from bettercompute.store import placing, preempting, views
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row
 
@@ -72,6 +73,8 @@ class Batch:
 
     placed: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
+    #: The placed reservations' views as the batch committed them (``store.views``).
+    views: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -190,22 +193,24 @@ async def place_batch(
         )
         done = Batch()
         unplaced: list[tuple[batching.Queued, placement.NoFit]] = []
-        # The placed first: a preemption below then sees the whole batch's bookings.
-        for decision in decisions:
-            q, outcome = decision.queued, decision.outcome
-            if isinstance(outcome, placement.NoFit):
-                unplaced.append((q, outcome))
-                continue
-            await _mark_placed(
-                conn,
-                pool_id=pool_id,
-                queued=q,
-                outcome=outcome,
-                atoms=inventory.atoms,
-                lease_seconds=by_id[q.reservation_id]["lease_seconds"],
-                now=now,
-            )
-            done.placed.append(q.reservation_id)
+        # The placed first: a preemption below then sees the whole batch's bookings. Their
+        # writes travel pipelined: one round trip for the whole batch, not two per reservation.
+        async with conn.pipeline():
+            for decision in decisions:
+                q, outcome = decision.queued, decision.outcome
+                if isinstance(outcome, placement.NoFit):
+                    unplaced.append((q, outcome))
+                    continue
+                await _mark_placed(
+                    conn,
+                    pool_id=pool_id,
+                    queued=q,
+                    outcome=outcome,
+                    atoms=inventory.atoms,
+                    lease_seconds=by_id[q.reservation_id]["lease_seconds"],
+                    now=now,
+                )
+                done.placed.append(q.reservation_id)
         notice: dt.timedelta | None = None
         for q, no_fit in unplaced:
             request = by_id[q.reservation_id]["request"]
@@ -253,8 +258,17 @@ async def place_batch(
                 )
             )
             done.pending.append(q.reservation_id)
-        # Waiters on every replica learn the batch committed (service/batching.py).
+        # Waiters on every replica learn the batch committed (service/batching.py); those in
+        # this process get the placed reservations as they now read, without a read of their own.
         await conn.execute("SELECT pg_notify('compute_placer', %s)", (f"placed:{pool_id}",))
+        if done.placed:
+            placed_rows = await (
+                await conn.execute(
+                    f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = ANY(%s)",
+                    (done.placed,),
+                )
+            ).fetchall()
+            done.views.update({row["id"]: views.to_view(row) for row in placed_rows})
         return done
 
 
