@@ -8,7 +8,10 @@ import datetime as dt
 import time
 from typing import Any
 
+import pytest
+
 from bettercompute.core import states
+from bettercompute.core.errors import ComputeError
 from bettercompute.service.batching import PoolPlacer
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import batching, inventory
@@ -375,3 +378,19 @@ async def test_a_regular_request_in_a_batch_preempts_spot_work_as_inline(
     [cond] = requeued["conditions"]
     assert (cond["type"], cond["reason"]) == ("Unschedulable", "SpotPreempted")
     assert await overlapping_bookings(db) == 0
+
+
+async def test_quota_short_on_a_pool_lease_pool_queues_and_charges_nothing(
+    db: Database, service: ReservationService
+):
+    await lease_world(db, gpus=6)
+    first = await service.create(caller(), create_input(idempotencyKey="a"))
+    assert first["state"] == "pending"
+    with pytest.raises(ComputeError) as refused:
+        await service.create(caller(), create_input(idempotencyKey="b"))
+    assert refused.value.code == "QUOTA_EXCEEDED"
+    assert await inventory.quota(db, tenant_id="acme", resource="gpu:H100") == (6, 4)
+    queued = await rows(db, "SELECT id FROM reservations WHERE state = 'pending'")
+    assert queued == [{"id": first["id"]}]
+    drafts = await rows(db, "SELECT count(*) AS n FROM reservations WHERE state = 'draft'")
+    assert drafts == [{"n": 1}]  # kept: the same key is decided again on retry

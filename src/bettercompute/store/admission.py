@@ -312,11 +312,14 @@ async def _queue(
     """
     resources = sorted(demand)
     async with scripted(db) as conn:
-        [[begun]] = await script(
+        # One round trip. On a refusal (claim lost, budget or quota short) the function wrote
+        # nothing, so committing it is the same as rolling it back: it only ends the locks.
+        [[begun], [view]] = await script(
             conn,
             "BEGIN; SELECT * FROM bc_admission_queue(%s, %s, %s, %s, %s, %s, %s, %s::numeric,"
             " jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,"
-            " 'since', epoch_ms(compute_now())), %s, %s, %s)",
+            " 'since', epoch_ms(compute_now())), %s, %s, %s);"
+            f" SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
             (
                 draft.idempotency_id,
                 draft.claim,
@@ -332,23 +335,19 @@ async def _queue(
                 jsonb(dict(demand)),
                 actor,
                 jsonb(dict(context)),
+                draft.reservation_id,
             ),
         )
-        if not begun["mine"]:
-            raise ComputeError(
-                ErrorCode.CONFLICT,
-                "another request with this idempotency key took over its admission",
-                {"reservationId": draft.reservation_id},
-            )
-        if begun["budget_short"] is not None:
-            raise budgets.short_error(begun["budget_short"])
-        if begun["quota_short"] is not None:
-            raise quotas.short_error(begun["quota_short"])
-        [[view]] = await script(
-            conn,
-            f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
-            (draft.reservation_id,),
+    if not begun["mine"]:
+        raise ComputeError(
+            ErrorCode.CONFLICT,
+            "another request with this idempotency key took over its admission",
+            {"reservationId": draft.reservation_id},
         )
+    if begun["budget_short"] is not None:
+        raise budgets.short_error(begun["budget_short"])
+    if begun["quota_short"] is not None:
+        raise quotas.short_error(begun["quota_short"])
     return views.to_view(view)
 
 
