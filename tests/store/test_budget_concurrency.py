@@ -19,6 +19,7 @@ from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.store.test_admission import acme, create_input, expect
 from tests.store.test_extend import extend_input
+from tests.support.placers import PLACERS, placer_policy
 
 METER = {"admission": {"budgetCheck": "meter"}}
 #: 4 GPUs for 36 hours: three fit in 500 GPU-hours, four do not.
@@ -32,8 +33,12 @@ async def spent(db: Database) -> float:
     return float(row["spent"])
 
 
-async def test_parallel_creates_never_overrun_the_budget(db: Database, make_service: Any):
-    await acme(db, gpus=64, nodes=4, policy=METER)
+@pytest.mark.parametrize("placer", PLACERS)
+async def test_parallel_creates_never_overrun_the_budget(
+    db: Database, make_service: Any, placer: str
+):
+    # With the pool-lease placer the admitted are queued, their whole duration counted.
+    await acme(db, gpus=64, nodes=4, policy=placer_policy(placer, **METER))
     await inventory.set_budget(db, tenant_id="acme", gpu_hours=500, window_seconds=86_400 * 7)
     # Two replicas: an in-process lock could not serialise them; the database must.
     replicas = [make_service(), make_service()]
@@ -59,8 +64,11 @@ async def test_parallel_creates_never_overrun_the_budget(db: Database, make_serv
     assert again["state"] in ("placed", "pending")
 
 
-async def test_one_after_another_the_fourth_is_refused(db: Database, service: ReservationService):
-    await acme(db, gpus=64, nodes=4, policy=METER)
+@pytest.mark.parametrize("placer", PLACERS)
+async def test_one_after_another_the_fourth_is_refused(
+    db: Database, service: ReservationService, placer: str
+):
+    await acme(db, gpus=64, nodes=4, policy=placer_policy(placer, **METER))
     await inventory.set_budget(db, tenant_id="acme", gpu_hours=500, window_seconds=86_400)
     for i in range(3):
         await service.create(caller(), create_input(idempotencyKey=f"s{i}", **ASK))
