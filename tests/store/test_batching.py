@@ -394,3 +394,17 @@ async def test_quota_short_on_a_pool_lease_pool_queues_and_charges_nothing(
     assert queued == [{"id": first["id"]}]
     drafts = await rows(db, "SELECT count(*) AS n FROM reservations WHERE state = 'draft'")
     assert drafts == [{"n": 1}]  # kept: the same key is decided again on retry
+
+
+async def test_a_queued_reservation_cancelled_is_refunded_and_never_placed(
+    db: Database, service: ReservationService
+):
+    await lease_world(db)
+    view = await service.create(caller(), create_input())
+    cancelled = await service.cancel(caller(), {"tenantId": "acme", "reservationId": view["id"]})
+    assert cancelled["state"] == "cancelled"
+    assert await inventory.quota(db, tenant_id="acme", resource="gpu:H100") == (64, 0)
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert (await placer.place("pool_a")).size == 0
+    assert await rows(db, "SELECT 1 FROM bookings") == []
