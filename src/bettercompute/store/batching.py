@@ -143,20 +143,24 @@ async def place_batch(
     Raises ``LeaseLost`` (nothing written) when the lease is not this holder's at ``epoch``.
     """
     async with db.transaction(within_s=BATCH_WITHIN_S) as conn:
-        await placing.lock_pool(conn, pool_id)
-        lease = await (
-            await conn.execute(
+        # The pool lock, the lease and the queued rows in one round trip (pipelined, each
+        # statement after the one before it): rows read by a holder that turns out fenced are
+        # let go with the rollback.
+        async with conn.pipeline():
+            await placing.lock_pool(conn, pool_id)
+            leased = await conn.execute(
                 "SELECT compute_now() AS now, inventory_version,"
                 " (SELECT l.expires_at > compute_now() FROM pool_leases l WHERE l.pool_id = p.id"
                 "    AND l.holder = %s AND l.epoch = %s FOR UPDATE) AS mine"
                 " FROM pools p WHERE p.id = %s",
                 (holder, epoch, pool_id),
             )
-        ).fetchone()
+            picked = await conn.execute(_QUEUED, {"pool": pool_id, "limit": max_batch})
+            lease = await leased.fetchone()
+            rows = await picked.fetchall()
         if lease is None or not lease["mine"]:
             raise LeaseLost(pool_id)
         now: dt.datetime = lease["now"]
-        rows = await (await conn.execute(_QUEUED, {"pool": pool_id, "limit": max_batch})).fetchall()
         if not rows:
             return Batch()
         queued: list[batching.Queued] = []
@@ -260,15 +264,15 @@ async def place_batch(
             done.pending.append(q.reservation_id)
         # Waiters on every replica learn the batch committed (service/batching.py); those in
         # this process get the placed reservations as they now read, without a read of their own.
-        await conn.execute("SELECT pg_notify('compute_placer', %s)", (f"placed:{pool_id}",))
-        if done.placed:
+        async with conn.pipeline():
+            await conn.execute("SELECT pg_notify('compute_placer', %s)", (f"placed:{pool_id}",))
             placed_rows = await (
                 await conn.execute(
                     f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = ANY(%s)",
                     (done.placed,),
                 )
             ).fetchall()
-            done.views.update({row["id"]: views.to_view(row) for row in placed_rows})
+        done.views.update({row["id"]: views.to_view(row) for row in placed_rows})
         return done
 
 
