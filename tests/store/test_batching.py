@@ -408,3 +408,22 @@ async def test_a_queued_reservation_cancelled_is_refunded_and_never_placed(
     await placer.renew()
     assert (await placer.place("pool_a")).size == 0
     assert await rows(db, "SELECT 1 FROM bookings") == []
+
+
+async def test_a_waiting_create_is_woken_by_the_batch_not_by_its_next_poll(
+    db: Database, service: ReservationService
+):
+    await lease_world(db)
+    waiting = asyncio.create_task(
+        service.create(caller(), {**create_input(), "wait": {"timeoutMs": 20_000}})
+    )
+    # By now its back-off has grown to a full second between reads (0.05 → 1 s).
+    await asyncio.sleep(1.7)
+    assert not waiting.done()
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert len((await placer.place("pool_a")).placed) == 1
+    placed_at = time.monotonic()
+    view = await waiting
+    assert view["state"] == "placed"
+    assert time.monotonic() - placed_at < 0.3
