@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg.errors
+
 from bettercompute.core import batching, placement, pools
+from bettercompute.core.errors import StoreError
 from bettercompute.store import placing, preempting, views
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row
@@ -140,8 +143,26 @@ async def place_batch(
 ) -> Batch:
     """Place up to ``max_batch`` queued reservations of the pool in one transaction.
 
-    Raises ``LeaseLost`` (nothing written) when the lease is not this holder's at ``epoch``.
+    Raises ``LeaseLost`` (nothing written) when the lease is not this holder's at ``epoch``,
+    ``StoreError`` when the database refused the batch's bookings twice.
     """
+    for attempt in range(2):
+        try:
+            return await _place_batch(
+                db, pool_id=pool_id, holder=holder, epoch=epoch, max_batch=max_batch
+            )
+        except psycopg.errors.ExclusionViolation as e:
+            # As at admission: under the pool lock this is a stale inventory cache at worst,
+            # and the transaction rolled back whole, so run it again. Twice is not a cache:
+            # the loop logs it and tries again later; the queued reservations wait meanwhile.
+            if attempt:
+                raise StoreError(f"the batch of pool {pool_id} was refused: {e}") from e
+    raise AssertionError("unreachable")
+
+
+async def _place_batch(
+    db: Database, *, pool_id: str, holder: str, epoch: int, max_batch: int
+) -> Batch:
     async with db.transaction(within_s=BATCH_WITHIN_S) as conn:
         # The pool lock, the lease and the queued rows in one round trip (pipelined, each
         # statement after the one before it): rows read by a holder that turns out fenced are
