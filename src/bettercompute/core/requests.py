@@ -238,6 +238,7 @@ class RenewInput(_Input):
 #: ``journal.emit`` calls and admission's SQL (``reservation.pending``).
 EventType = Literal[
     "reservation.pending",
+    "reservation.queued",
     "reservation.placed",
     "reservation.repaired",
     "reservation.binding",
