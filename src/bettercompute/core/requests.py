@@ -52,7 +52,9 @@ DeviceClass = Literal["gpu", "mig", "slot"]
 Binding = Literal["hold", "kubernetes", "node", "instance"]
 
 
-class _Input(BaseModel):
+class Input(BaseModel):
+    """An operation's input: unknown fields refused, an integral float read as its integer."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     @model_validator(mode="before")
@@ -68,7 +70,7 @@ class _Input(BaseModel):
         }
 
 
-class DeviceRequest(_Input):
+class DeviceRequest(Input):
     device_class: DeviceClass = Field(alias="class")
     count: StrictInt = Field(ge=1, le=1024)
     topology: Literal["any", "nvlink-all"] = "any"
@@ -85,22 +87,22 @@ class DeviceRequest(_Input):
         return self
 
 
-class Gang(_Input):
+class Gang(Input):
     size: StrictInt = Field(ge=1, le=1024)
 
 
-class Resources(_Input):
+class Resources(Input):
     vcpu: StrictInt = Field(default=0, ge=0, le=4096)
     memoryGiB: StrictInt = Field(default=0, ge=0, le=65_536)
     hugepages1Gi: StrictInt = Field(default=0, ge=0, le=65_536)
 
 
-class NodeProfile(_Input):
+class NodeProfile(Input):
     profileId: ObjectId
     profileVersion: StrictInt | None = Field(default=None, ge=0)
 
 
-class Wait(_Input):
+class Wait(Input):
     timeoutMs: StrictInt = Field(ge=0)
 
     @field_validator("timeoutMs")
@@ -109,7 +111,7 @@ class Wait(_Input):
         return min(value, MAX_WAIT_MS)
 
 
-class CreateInput(_Input):
+class CreateInput(Input):
     tenantId: TenantId
     poolId: ObjectId
     devices: list[DeviceRequest] = Field(min_length=1, max_length=16)
@@ -163,28 +165,28 @@ class CreateInput(_Input):
         return self.gang.size if self.gang else 1
 
 
-class GetInput(_Input):
+class GetInput(Input):
     tenantId: TenantId
     reservationId: ObjectId
 
 
-class WhoamiInput(_Input):
+class WhoamiInput(Input):
     """``whoami``: no fields; the answer is the caller as the server authenticated it."""
 
 
-class PoolsInput(_Input):
+class PoolsInput(Input):
     """``pools.list``: the pools the tenant owns or is offered, with what they hold now."""
 
     tenantId: TenantId
 
 
-class QuotasInput(_Input):
+class QuotasInput(Input):
     """``quotas.get``: the tenant's quota rows, each with its limit and what is charged now."""
 
     tenantId: TenantId
 
 
-class ListInput(_Input):
+class ListInput(Input):
     tenantId: TenantId
     scope: Literal["mine", "all"] = "mine"
     state: str | None = Field(default=None, max_length=32)
@@ -193,17 +195,17 @@ class ListInput(_Input):
     cursor: ObjectId | None = None
 
 
-class ReleaseInput(_Input):
+class ReleaseInput(Input):
     tenantId: TenantId
     reservationId: ObjectId
 
 
-class CancelInput(_Input):
+class CancelInput(Input):
     tenantId: TenantId
     reservationId: ObjectId
 
 
-class ExtendInput(_Input):
+class ExtendInput(Input):
     tenantId: TenantId
     reservationId: ObjectId
     until: StrictInt | None = Field(default=None, ge=0, le=MAX_EPOCH_MS)
@@ -227,7 +229,7 @@ class ExtendInput(_Input):
         return self
 
 
-class RenewInput(_Input):
+class RenewInput(Input):
     tenantId: TenantId
     reservationId: ObjectId
 
@@ -280,7 +282,7 @@ WebhookUrl = Annotated[
 ]
 
 
-class SubscriptionCreateInput(_Input):
+class SubscriptionCreateInput(Input):
     """``events.subscriptions.create``: POST the tenant's events of ``eventTypes`` (none: all)
     to ``url``."""
 
@@ -289,20 +291,20 @@ class SubscriptionCreateInput(_Input):
     eventTypes: list[EventType] = Field(default_factory=list, max_length=len(EVENT_TYPES))
 
 
-class SubscriptionListInput(_Input):
+class SubscriptionListInput(Input):
     """``events.subscriptions.list``: the tenant's active subscriptions (never their secrets)."""
 
     tenantId: TenantId
 
 
-class SubscriptionDeleteInput(_Input):
+class SubscriptionDeleteInput(Input):
     """``events.subscriptions.delete``: stop delivering to a subscription (its log stays)."""
 
     tenantId: TenantId
     subscriptionId: ObjectId
 
 
-class DeliveryListInput(_Input):
+class DeliveryListInput(Input):
     """``events.deliveries.list``: a subscription's delivery log, newest event first."""
 
     tenantId: TenantId
@@ -316,7 +318,7 @@ class DeliveryListInput(_Input):
 ConfirmationState = Literal["pending", "approved", "denied", "expired"]
 
 
-class ConfirmationListInput(_Input):
+class ConfirmationListInput(Input):
     """``confirmations.list``: the caller's confirmations, as the person asked and as the agent
     that asked, newest first."""
 
@@ -325,7 +327,7 @@ class ConfirmationListInput(_Input):
     limit: StrictInt = Field(default=50, ge=1, le=200)
 
 
-class ConfirmationDecisionInput(_Input):
+class ConfirmationDecisionInput(Input):
     """``confirmations.approve`` and ``confirmations.deny``: the person's answer to one."""
 
     tenantId: TenantId

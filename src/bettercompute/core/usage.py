@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import Field, StrictInt
 
 from bettercompute.core import hosts, requests
 
@@ -25,7 +25,7 @@ DEFAULT_SPAN_MS = 30 * 86_400_000
 MAX_SPAN_MS = 366 * 86_400_000
 
 
-class UsageReportInput(BaseModel):
+class UsageReportInput(requests.Input):
     """``usage.report``: the tenant's billed usage in ``[from, to)``, optionally grouped.
 
     ``from`` and ``to`` are epoch milliseconds, as every time in the API; ``to`` defaults to
@@ -34,22 +34,10 @@ class UsageReportInput(BaseModel):
     an empty span, and one longer than 366 days starts 366 days before ``to``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
     tenantId: requests.TenantId
     from_: StrictInt | None = Field(default=None, alias="from", ge=0, le=requests.MAX_EPOCH_MS)
     to: StrictInt | None = Field(default=None, ge=0, le=requests.MAX_EPOCH_MS)
     by: By | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        # JSON has one number type: 1.7e12 written as a float is the integer it equals.
-        if not isinstance(data, dict):
-            return data
-        return {
-            k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in data.items()
-        }
 
 
 def report_span(value: UsageReportInput, *, now_ms: int) -> tuple[int, int]:

@@ -338,6 +338,13 @@ async def _queue(
                 draft.reservation_id,
             ),
         )
+    _refuse_unless_admitted(begun, draft)
+    return views.to_view(view)
+
+
+def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
+    """Raise what transaction 2's first step found short: the claim taken over (CONFLICT),
+    the budget (SPEND_LIMIT_REACHED) or the quota (QUOTA_EXCEEDED). Nothing was charged."""
     if not begun["mine"]:
         raise ComputeError(
             ErrorCode.CONFLICT,
@@ -348,7 +355,6 @@ async def _queue(
         raise budgets.short_error(begun["budget_short"])
     if begun["quota_short"] is not None:
         raise quotas.short_error(begun["quota_short"])
-    return views.to_view(view)
 
 
 async def _commit_once(
@@ -388,18 +394,8 @@ async def _commit_once(
                 bool(host),
             ),
         )
-        if not begun["mine"]:
-            raise ComputeError(
-                ErrorCode.CONFLICT,
-                "another request with this idempotency key took over its admission",
-                {"reservationId": draft.reservation_id},
-            )
-        if begun["budget_short"] is not None:
-            # Leaving the block rolls the transaction back, and with it the budget lock.
-            raise budgets.short_error(begun["budget_short"])
-        if begun["quota_short"] is not None:
-            # Leaving the block rolls the transaction back: nothing was charged or written.
-            raise quotas.short_error(begun["quota_short"])
+        # A refusal leaves the block, which rolls the transaction back, and with it the locks.
+        _refuse_unless_admitted(begun, draft)
         now, start, end = begun["now_"], begun["start_"], begun["end_"]
         snap = await placing.snapshot_from(
             conn,
