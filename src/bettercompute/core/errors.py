@@ -71,5 +71,15 @@ def invalid_state(message: str, **details: Any) -> ComputeError:
     return ComputeError(ErrorCode.INVALID_STATE, message, details)
 
 
+def claim_taken_over(reservation_id: str) -> ComputeError:
+    """Another request with the same idempotency key took over this one's admission claim
+    (this one stalled past the claim's age): it decides the key now, this one stops."""
+    return ComputeError(
+        ErrorCode.CONFLICT,
+        "another request with this idempotency key took over its admission",
+        {"reservationId": reservation_id},
+    )
+
+
 class StoreError(Exception):
     """The database could not be reached or answered unexpectedly (not a caller's mistake)."""

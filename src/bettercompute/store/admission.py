@@ -346,11 +346,7 @@ def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
     """Raise what transaction 2's first step found short: the claim taken over (CONFLICT),
     the budget (SPEND_LIMIT_REACHED) or the quota (QUOTA_EXCEEDED). Nothing was charged."""
     if not begun["mine"]:
-        raise ComputeError(
-            ErrorCode.CONFLICT,
-            "another request with this idempotency key took over its admission",
-            {"reservationId": draft.reservation_id},
-        )
+        raise errors.claim_taken_over(draft.reservation_id)
     if begun["budget_short"] is not None:
         raise budgets.short_error(begun["budget_short"])
     if begun["quota_short"] is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bettercompute.core import answers, errors, ids, requests, states
-from bettercompute.core.errors import ComputeError, ErrorCode
+from bettercompute.core.errors import ErrorCode
 from bettercompute.store import journal
 from bettercompute.store.database import Conn, Database, jsonb
 
@@ -158,11 +158,7 @@ async def open_(
         )
         if moved is None or released.rowcount != 1:
             # Leaving the block rolls it all back: whoever took the key over decides it.
-            raise ComputeError(
-                ErrorCode.CONFLICT,
-                "another request with this idempotency key took over its admission",
-                {"reservationId": reservation_id},
-            )
+            raise errors.claim_taken_over(reservation_id)
         await journal.emit(
             conn,
             "reservation.awaiting-confirmation",
