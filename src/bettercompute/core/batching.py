@@ -28,10 +28,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bettercompute.core import placement
-
-#: The host resources a booking may carry (what ``placement.Demand.host`` books per member).
-HOST = ("vcpu", "memoryGiB", "hugepages1Gi")
+from bettercompute.core import hosts, placement
 
 
 @dataclass(frozen=True)
@@ -144,8 +141,8 @@ def _snapshot(
         if b.start < end and start < b.end:
             busy.add(b.atom_id)
             if b.host_node is not None:
-                use = host_busy.setdefault(b.host_node, dict.fromkeys(HOST, 0))
-                for name in HOST:
+                use = host_busy.setdefault(b.host_node, dict.fromkeys(hosts.BOOKED, 0))
+                for name in hosts.BOOKED:
                     use[name] += int(b.host.get(name, 0))
     return placement.Snapshot(nodes=nodes, atoms=atoms, busy=frozenset(busy), host_busy=host_busy)
 
