@@ -31,13 +31,52 @@ from bettercompute.core import attributes, errors, hosts, placement, pools, stat
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import budgets, journal, placing, preempting, quotas, views
 from bettercompute.store import pools as pool_rows
-from bettercompute.store.database import Database, jsonb, script, scripted
+from bettercompute.store.database import Database, jsonb, pipelined
 
 #: The ``Queued`` condition's message while a reservation waits for its batch.
 QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
 
 #: The last resort for a live holder that hung: its claim is taken over after this long.
 CLAIM_TTL = dt.timedelta(seconds=30)
+
+# The statements of both transactions: constant texts, so each connection prepares them once.
+_DRAFT_BEGIN = "SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s)"
+_POOL_SHARE = "SELECT host_share FROM pools WHERE id = %s"
+_DRAFT_WRITE = """
+    WITH draft AS (
+        INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
+            idempotency_key, request_hash, request, state, requested_start, duration,
+            lease_seconds, host_share)
+        VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s::bigint / 1000.0),
+                %s::bigint * interval '1 millisecond', %s, %s)
+        ON CONFLICT (id) DO UPDATE SET request = excluded.request,
+            host_share = excluded.host_share
+    ), authz AS (
+        INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
+                                     owner_identity_id, attributes)
+        VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
+        ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
+    )
+    UPDATE idempotency SET claim = %s, claim_holder = %s, claimed_at = compute_now()
+     WHERE id = %s
+"""
+_QUEUE = """
+    SELECT * FROM bc_admission_queue(%s, %s, %s, %s, %s::text[], %s::bigint[], %s, %s::numeric,
+        jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,
+                           'since', epoch_ms(compute_now())), %s, %s, %s)
+"""
+_ADMISSION_BEGIN = """
+    SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s::text[], %s::bigint[],
+        to_timestamp(%s::bigint / 1000.0), %s::bigint * interval '1 millisecond', %s,
+        %s::numeric, %s)
+"""
+_ADMISSION_DONE = "SELECT bc_admission_done(%s, %s, %s, %s, %s, %s)"
+_VIEW = f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s"
+_MAX_PENDING_WAKE = """
+    INSERT INTO work_queue (reservation_id, due_at, why)
+    SELECT r.id, r.pending_since + %s::bigint * interval '1 millisecond', 'max-pending'
+      FROM reservations r WHERE r.id = %s AND r.state = 'pending'
+"""
 
 
 @dataclass(frozen=True)
@@ -83,14 +122,12 @@ async def write_draft(
 ) -> Draft | Existing | Busy:
     """Transaction 1. Raises ``ComputeError`` for a refused key, a conflict or a bad pool.
 
-    Runs in pipeline mode: the idempotency upsert, its locked read and the pool read travel in
-    one round trip, the writes and the commit in another.
+    Runs in pipeline mode (``pipelined``): the idempotency upsert, its locked read and the pool
+    read travel in one round trip, the writes and the commit in another.
     """
-    async with scripted(db) as conn:
-        [[row], share_rows] = await script(
-            conn,
-            "BEGIN; SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s);"
-            " SELECT host_share FROM pools WHERE id = %s",
+    async with pipelined(db) as conn:
+        begun = await conn.execute(
+            _DRAFT_BEGIN,
             (
                 idempotency_id,
                 tenant_id,
@@ -100,9 +137,12 @@ async def write_draft(
                 reservation_id,
                 str(request["poolId"]),
                 CLAIM_TTL,
-                str(request["poolId"]),
             ),
+            prepare=True,
         )
+        shares = await conn.execute(_POOL_SHARE, (str(request["poolId"]),), prepare=True)
+        row = await begun.fetchone()
+        share_rows = await shares.fetchall()
         assert row is not None  # inserted or found, and locked
         if row["state"] == states.State.DENIED:
             raise errors.access_denied(
@@ -137,29 +177,11 @@ async def write_draft(
         attrs = attributes.reservation_attributes(
             request=request, gpu_model=pool.gpu_model, region=pool.region, duration_ms=duration_ms
         )
-        # The draft, its authorization row and our claim, in one statement, and the commit.
-        # A draft decided again keeps its row and refreshes what the decision sees.
-        await script(
-            conn,
-            """
-            WITH draft AS (
-                INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
-                    idempotency_key, request_hash, request, state, requested_start, duration,
-                    lease_seconds, host_share)
-                VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s / 1000.0),
-                        %s * interval '1 millisecond', %s, %s)
-                ON CONFLICT (id) DO UPDATE SET request = excluded.request,
-                    host_share = excluded.host_share
-            ), authz AS (
-                INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
-                                             owner_identity_id, attributes)
-                VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
-                ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
-            )
-            UPDATE idempotency SET claim = %s, claim_holder = %s, claimed_at = compute_now()
-             WHERE id = %s;
-            COMMIT
-            """,
+        # The draft, its authorization row and our claim, in one statement; the commit follows
+        # when the block ends. A draft decided again keeps its row and refreshes what the
+        # decision sees.
+        await conn.execute(
+            _DRAFT_WRITE,
             (
                 reservation_id,
                 tenant_id,
@@ -181,6 +203,7 @@ async def write_draft(
                 holder,
                 idempotency_id,
             ),
+            prepare=True,
         )
     return Draft(reservation_id, idempotency_id, claim, pool, attrs, dict(request), host_share)
 
@@ -311,15 +334,11 @@ async def _queue(
     what lets creates on one pool commit side by side.
     """
     resources = sorted(demand)
-    async with scripted(db) as conn:
+    async with pipelined(db) as conn:
         # One round trip. On a refusal (claim lost, budget or quota short) the function wrote
         # nothing, so committing it is the same as rolling it back: it only ends the locks.
-        [[begun], [view]] = await script(
-            conn,
-            "BEGIN; SELECT * FROM bc_admission_queue(%s, %s, %s, %s, %s, %s, %s, %s::numeric,"
-            " jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,"
-            " 'since', epoch_ms(compute_now())), %s, %s, %s);"
-            f" SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
+        queued = await conn.execute(
+            _QUEUE,
             (
                 draft.idempotency_id,
                 draft.claim,
@@ -335,11 +354,25 @@ async def _queue(
                 jsonb(dict(demand)),
                 actor,
                 jsonb(dict(context)),
-                draft.reservation_id,
             ),
+            prepare=True,
         )
+        # The pool's maxPending holds while it is queued too: the reconciler looks at it the
+        # first millisecond past it (exactly maxPending still waits), even when no replica runs
+        # the placer. Written only if it was queued.
+        await conn.execute(
+            _MAX_PENDING_WAKE,
+            (draft.pool.max_pending_ms + 1, draft.reservation_id),
+            prepare=True,
+        )
+        view = await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)
+    # Read once the block sent the commit with the statements: one round trip in all.
+    begun = await queued.fetchone()
+    row = await view.fetchone()
+    assert begun is not None
+    assert row is not None
     _refuse_unless_admitted(begun, draft)
-    return views.to_view(view)
+    return views.to_view(row)
 
 
 def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
@@ -371,25 +404,27 @@ async def _commit_once(
     resources = sorted(demand)
     wanted = pools.demand(request=request)
     host = wanted.host
-    async with scripted(db) as conn:
-        [[begun]] = await script(
-            conn,
-            "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
-            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)",
-            (
-                draft.idempotency_id,
-                draft.claim,
-                draft.pool.id,
-                tenant_id,
-                resources,
-                [demand[r] for r in resources],
-                request.get("start"),
-                duration_ms,
-                draft.reservation_id,
-                budget_hours,
-                bool(host),
-            ),
-        )
+    async with pipelined(db) as conn:
+        begun = await (
+            await conn.execute(
+                _ADMISSION_BEGIN,
+                (
+                    draft.idempotency_id,
+                    draft.claim,
+                    draft.pool.id,
+                    tenant_id,
+                    resources,
+                    [demand[r] for r in resources],
+                    request.get("start"),
+                    duration_ms,
+                    draft.reservation_id,
+                    budget_hours,
+                    bool(host),
+                ),
+                prepare=True,
+            )
+        ).fetchone()
+        assert begun is not None
         # A refusal leaves the block, which rolls the transaction back, and with it the locks.
         _refuse_unless_admitted(begun, draft)
         now, start, end = begun["now_"], begun["start_"], begun["end_"]
@@ -447,32 +482,36 @@ async def _commit_once(
                 now=now,
                 quota_charge=demand,
             )
-            apply_sql = f"{book_sql}; {mark_sql}"
-            apply_params: tuple[Any, ...] = (*book_params, *mark_params)
+            await conn.execute(book_sql, book_params, prepare=True)
+            await conn.execute(mark_sql, mark_params, prepare=True)
             result = "placed"
         else:
-            apply_sql, apply_params = placing.mark_pending_statement(
-                reservation_id=draft.reservation_id,
-                pool_id=draft.pool.id,
-                message=outcome.message,
-                now=now,
-                first=True,
-                quota_charge=demand,
+            await conn.execute(
+                *placing.mark_pending_statement(
+                    reservation_id=draft.reservation_id,
+                    pool_id=draft.pool.id,
+                    message=outcome.message,
+                    now=now,
+                    first=True,
+                    quota_charge=demand,
+                ),
+                prepare=True,
             )
             result = "pending"
-        results = await script(
-            conn,
-            f"{apply_sql}; SELECT bc_admission_done(%s, %s, %s, %s, %s, %s);"
-            f" SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s; COMMIT",
+        await conn.execute(
+            _ADMISSION_DONE,
             (
-                *apply_params,
                 draft.idempotency_id,
                 draft.reservation_id,
                 actor,
                 tenant_id,
                 result,
                 jsonb(dict(context)),
-                draft.reservation_id,
             ),
+            prepare=True,
         )
-    return views.to_view(results[-1][0])
+        view = await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)
+        # The writes, the view and the commit travel in one round trip when the block ends.
+    row = await view.fetchone()
+    assert row is not None
+    return views.to_view(row)
