@@ -735,6 +735,34 @@ async def test_pending_fails_after_max_pending(db: Database, service: Reservatio
     )
 
 
+async def test_a_queued_reservation_fails_after_max_pending_with_no_placer_running(
+    db: Database, service: ReservationService
+) -> None:
+    # A pool-lease pool whose placer runs nowhere: the reservation stays Queued, and the
+    # pool's maxPending still ends it (a wake-up written when it was queued).
+    await world(db, nodes=1, gpus=8, policy={"placer": "pool-lease", "maxPending": "1h"})
+    rid = (await create(service, "queued-forever", count=2))["id"]
+    view = await get(service, rid)
+    assert view["state"] == "pending"
+    assert conditions(view) == [("Queued", "PoolPlacer")]
+    assert await quota_used(db) == 2
+
+    await advance(db, 3599)  # a second short of maxPending: still waiting
+    await run(db)
+    assert (await get(service, rid))["state"] == "pending"
+
+    await advance(db, 1)
+    assert await run(db) >= 1
+    view = await get(service, rid)
+    assert view["state"] == "failed", view
+    assert conditions(view) == [("Unschedulable", "MaxPendingExceeded")]
+    assert await quota_used(db) == 0
+    assert (await events(db, rid))[-1] == (
+        "reservation.failed",
+        {"state": "failed", "poolId": "pool_a", "reason": "MaxPendingExceeded"},
+    )
+
+
 async def test_pending_fails_when_pool_archived(db: Database, service: ReservationService) -> None:
     await world(db, nodes=1, gpus=8)
     rid = (await create(service, "archived", count=16))["id"]
