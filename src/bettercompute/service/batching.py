@@ -17,7 +17,12 @@ once.
 
 ``Signals`` also carries the other direction: a committed batch (here, or ``placed:<pool>`` from
 another replica) wakes the requests waiting on that pool (``ReservationService._wait``), so a
-``wait`` returns as soon as its reservation was placed.
+``wait`` returns as soon as its reservation was placed. A batch of this process hands its
+waiters their views, so a waiter it did not take reads nothing: only a batch elsewhere (which
+hands nothing) or the waiter's own back-off sends it to the database. Without that, every
+batch would cost one read per waiting request, however few it placed. The ``placed:<pool>``
+notification of a batch of this process comes back to it too; while this process holds the
+pool's lease it is that echo (no other replica can place the pool) and is ignored.
 
 What it must never do: end on a store error (it logs, waits and tries again, like the
 reconciler), or place a pool whose lease it does not hold (the batch checks it, under the pool
@@ -30,7 +35,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from bettercompute import supervising
@@ -64,6 +69,10 @@ class Signals:
         # process handed over for them (taken by the waiter, so never more than are waited on).
         self._watched: dict[str, int] = {}
         self._views: dict[str, dict[str, Any]] = {}
+        # Pool id -> batches committed by other replicas (their views are not here); and the
+        # pools whose lease this process's placer holds.
+        self._elsewhere: dict[str, int] = {}
+        self._holding: frozenset[str] = frozenset()
 
     def queued(self, pool_id: str) -> None:
         """Something was queued in ``pool_id``: wake its holder (if it is this process)."""
@@ -76,15 +85,33 @@ class Signals:
         self.work.clear()
         return woken
 
-    def placed(self, pool_id: str, views: Mapping[str, dict[str, Any]] | None = None) -> None:
+    def placed(
+        self,
+        pool_id: str,
+        views: Mapping[str, dict[str, Any]] | None = None,
+        *,
+        here: bool = True,
+    ) -> None:
         """A batch of ``pool_id`` committed: wake whoever waits on the pool, handing over the
-        ``views`` (reservation id -> view as committed) that somebody here waits for."""
+        ``views`` (reservation id -> view as committed) that somebody here waits for.
+        ``here=False``: a batch of another replica, whose views only a read shows."""
         for rid, view in (views or {}).items():
             if rid in self._watched:
                 self._views[rid] = view
+        if not here:
+            self._elsewhere[pool_id] = self._elsewhere.get(pool_id, 0) + 1
         event = self._placed.pop(pool_id, None)
         if event is not None:
             event.set()
+
+    def batches_elsewhere(self, pool_id: str) -> int:
+        """How many batches of ``pool_id`` other replicas committed (a waiter compares it before
+        and after a wake-up: unchanged, the batch was this process's and handed it nothing)."""
+        return self._elsewhere.get(pool_id, 0)
+
+    def holding(self, pool_ids: Iterable[str]) -> None:
+        """The pools whose lease this process's placer now holds."""
+        self._holding = frozenset(pool_ids)
 
     @contextlib.contextmanager
     def watching(self, reservation_id: str) -> Iterator[Callable[[], dict[str, Any] | None]]:
@@ -108,7 +135,7 @@ class Signals:
         """Until the pool's next batch commits, or ``within_s`` seconds."""
         event = self._placed.setdefault(pool_id, asyncio.Event())
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(within_s):
+            async with asyncio.timeout(max(0.0, within_s)):
                 await event.wait()
 
     def deliver(self, payload: str) -> None:
@@ -116,8 +143,10 @@ class Signals:
         what, _, pool_id = payload.partition(":")
         if what == "queued":
             self.queued(pool_id)
-        elif what == "placed":
-            self.placed(pool_id)
+        elif what == "placed" and pool_id not in self._holding:
+            # While this process holds the lease, a batch of the pool can only be its own,
+            # already handed over with its views.
+            self.placed(pool_id, here=False)
 
 
 class PoolPlacer:
@@ -159,6 +188,7 @@ class PoolPlacer:
                     log.info("placer %s holds the lease of pool %s", self.holder, pool_id)
                     self._due[pool_id] = 0.0  # look at once: work may have waited for us
                 self.held[pool_id] = epoch
+        self.signals.holding(self.held)
 
     async def place(self, pool_id: str) -> batching.Batch:
         """One batch of a held pool, and the next at once while batches come back full."""
@@ -176,6 +206,7 @@ class PoolPlacer:
             except batching.LeaseLost:
                 log.info("placer %s lost the lease of pool %s", self.holder, pool_id)
                 self.held.pop(pool_id, None)
+                self.signals.holding(self.held)
                 break
             total.placed.extend(batch.placed)
             total.pending.extend(batch.pending)
@@ -229,6 +260,7 @@ class PoolPlacer:
                     async with asyncio.timeout(wait):
                         await self.signals.work.wait()
         finally:
+            self.signals.holding(())
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener

@@ -479,21 +479,29 @@ class ReservationService:
         returns the last read (not an error).
 
         A committed batch of the reservation's pool (``Signals.placed``) cuts a pause short, so
-        a queued reservation is answered as soon as its batch placed it.
+        a queued reservation is answered as soon as its batch placed it: a batch of this
+        process hands its view over, one of another replica sends it to read. A batch of this
+        process that did not take it costs no read; the back-off's reads go on regardless.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         delay = 0.05
+        read_at = loop.time() + delay
+        pool = view["poolId"]
         with self.signals.watching(view["id"]) as handed:
-            while view["operation"]["state"] == "running":
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                await self.signals.wait_placed(view["poolId"], within_s=min(delay, left))
-                delay = min(delay * 2, 1.0)
-                # A batch of this process hands its view over: no read of our own.
+            while view["operation"]["state"] == "running" and loop.time() < deadline:
+                elsewhere = self.signals.batches_elsewhere(pool)
+                next_read = min(read_at, deadline)
+                await self.signals.wait_placed(pool, within_s=next_read - loop.time())
                 given = handed()
-                view = _reservation(given) if given is not None else await self._view(view["id"])
+                if given is not None:
+                    view = _reservation(given)
+                    continue
+                if loop.time() < next_read and self.signals.batches_elsewhere(pool) == elsewhere:
+                    continue  # a batch of this process, without it: nothing new to read
+                view = await self._view(view["id"])
+                delay = min(delay * 2, 1.0)
+                read_at = loop.time() + delay
         return view
 
     async def _view(self, rid: str) -> answers.Reservation:

@@ -1,0 +1,60 @@
+"""The wake-ups between batches and waiting requests (``service.batching.Signals``): which batch
+sends a waiter to the database and which hands it its view."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bettercompute.service.batching import Signals
+
+
+async def test_a_batch_here_hands_its_views_to_the_requests_waiting_on_them() -> None:
+    signals = Signals()
+    with signals.watching("rsv_a") as handed_a, signals.watching("rsv_b") as handed_b:
+        waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=5))
+        await asyncio.sleep(0)
+        signals.placed("pool_a", {"rsv_a": {"id": "rsv_a", "state": "placed"}})
+        await asyncio.wait_for(waiter, 1)
+        assert handed_a() == {"id": "rsv_a", "state": "placed"}
+        assert handed_b() is None  # passed over: nothing to read either
+        assert signals.batches_elsewhere("pool_a") == 0
+    assert handed_a() is None  # let go with the last waiter
+
+
+async def test_a_batch_elsewhere_wakes_the_waiters_and_is_counted() -> None:
+    signals = Signals()
+    waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=5))
+    await asyncio.sleep(0)
+    signals.deliver("placed:pool_a")
+    await asyncio.wait_for(waiter, 1)
+    assert signals.batches_elsewhere("pool_a") == 1
+    assert signals.batches_elsewhere("pool_b") == 0
+
+
+async def test_the_echo_of_a_batch_here_is_ignored_while_this_process_holds_the_pool() -> None:
+    signals = Signals()
+    signals.holding(["pool_a"])
+    waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=0.2))
+    await asyncio.sleep(0)
+    signals.deliver("placed:pool_a")  # our own batch's notification, come back
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # no wake-up: the batch already woke its waiters with views
+    assert signals.batches_elsewhere("pool_a") == 0
+    await waiter
+
+    # Once the lease is gone, a batch of the pool can only be another replica's.
+    signals.holding([])
+    waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=5))
+    await asyncio.sleep(0)
+    signals.deliver("placed:pool_a")
+    await asyncio.wait_for(waiter, 1)
+    assert signals.batches_elsewhere("pool_a") == 1
+
+
+async def test_queued_wakes_the_placer_for_that_pool() -> None:
+    signals = Signals()
+    signals.deliver("queued:pool_a")
+    assert signals.work.is_set()
+    assert signals.take_queued() == {"pool_a"}
+    assert not signals.work.is_set()
+    assert signals.take_queued() == set()
