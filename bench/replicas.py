@@ -10,7 +10,13 @@ waits until its batch placed it), each replica in windows of its own so nothing 
 It prints creates/s, p50 and p99 for each, and the ratio two/one, per placer: two replicas on
 one database must not do worse than one.
 
+``--db-cpus N`` keeps the embedded PostgreSQL on the last N CPUs and the replicas on the others,
+as when the database runs on machines of its own. Why: on a small machine shared by both, a
+second replica process can take CPU the database needed, and the ratio then measures that
+starvation rather than what two replicas cost each other (pool locks, leases, notifications).
+
     .venv/bin/python bench/replicas.py [--seconds 10] [--callers 32] [--placer both]
+        [--db-cpus N]
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import time
+
+import psutil
 
 from admission import (
     GPUS_PER_NODE,
@@ -139,6 +147,20 @@ def measure(
     return creates / elapsed, [x for _, _, lat in done for x in lat]
 
 
+def pin(postmaster_pid: int, db_cpus: int) -> tuple[list[int], list[int]]:
+    """The server (postmaster and every process it runs; backends forked later inherit it) on
+    the last ``db_cpus`` CPUs, this process (and the replicas it spawns) on the others."""
+    cpus = sorted(psutil.Process().cpu_affinity() or [])
+    if not 0 < db_cpus < len(cpus):
+        raise SystemExit(f"--db-cpus must leave the replicas a CPU: {len(cpus)} CPUs here")
+    ours, theirs = cpus[:-db_cpus], cpus[-db_cpus:]
+    server = psutil.Process(postmaster_pid)
+    for process in [server, *server.children(recursive=True)]:
+        process.cpu_affinity(theirs)
+    psutil.Process().cpu_affinity(ours)
+    return ours, theirs
+
+
 async def prepare(dsn: str, nodes: int) -> None:
     db = await Database.open(dsn, min_size=1, max_size=2)
     try:
@@ -155,6 +177,12 @@ def main() -> None:
     parser.add_argument(
         "--placer", choices=("inline", "pool-lease", "both"), default="both", help="placers"
     )
+    parser.add_argument(
+        "--db-cpus",
+        type=int,
+        default=0,
+        help="keep the embedded PostgreSQL on this many CPUs, the replicas on the rest (0: shared)",
+    )
     args = parser.parse_args()
     if args.callers < 2 or args.callers % 2:
         parser.error("--callers must be even and at least 2: two replicas take half each")
@@ -168,6 +196,11 @@ def main() -> None:
             f"replicas: full create sequence, 1 GPU x 1h each, {args.callers} callers in all,"
             f" pools of {args.nodes} nodes x {GPUS_PER_NODE} GPUs, {args.seconds:g} s each"
         )
+        if args.db_cpus:
+            if server is None or server.pid is None:
+                parser.error("--db-cpus needs the embedded server (DATABASE_URL is set)")
+            ours, theirs = pin(server.pid, args.db_cpus)
+            print(f"CPUs: PostgreSQL {theirs}, replicas {ours}")
         print(f"{'placer':>10} {'replicas':>8} {'creates/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
         spawn = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
