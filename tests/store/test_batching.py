@@ -68,9 +68,10 @@ async def test_a_create_is_queued_with_quota_charged(db: Database, service: Rese
             "data": {"state": "pending", "poolId": "pool_a", "reason": "PoolPlacer"},
         }
     ]
-    # Nothing booked, and nothing for the reconciler: the batch places it.
+    # Nothing booked, and nothing for the reconciler but the pool's maxPending deadline: the
+    # batch places it.
     assert await rows(db, "SELECT * FROM bookings") == []
-    assert await rows(db, "SELECT * FROM work_queue") == []
+    assert await rows(db, "SELECT why FROM work_queue") == [{"why": "max-pending"}]
     audited = await rows(
         db, "SELECT outcome FROM audit_log WHERE action = 'compute:reservations:create'"
     )
@@ -119,9 +120,9 @@ async def test_what_does_not_fit_is_left_unschedulable_as_inline(
     assert left["operation"]["state"] == "pending"
     [cond] = left["conditions"]
     assert (cond["type"], cond["reason"]) == ("Unschedulable", "NoFit")
-    # Retried by the reconciler like any pending reservation, and it kept its charge.
-    retry = await rows(db, "SELECT why FROM work_queue WHERE reservation_id = %s", (left["id"],))
-    assert retry == [{"why": "retry"}]
+    # Retried in 30 s like any pending reservation (the reconciler hands the retry back to a
+    # batch), and it kept its charge.
+    assert len(await retries(db, left["id"])) == 1
     assert await inventory.quota(db, tenant_id="acme", resource="gpu:H100") == (64, 12)
 
 
@@ -427,3 +428,224 @@ async def test_a_waiting_create_is_woken_by_the_batch_not_by_its_next_poll(
     view = await waiting
     assert view["state"] == "placed"
     assert time.monotonic() - placed_at < 0.3
+
+
+async def _until(db: Database, check: Any, *, within_s: float = 5.0) -> None:
+    """Poll ``check()`` (an async predicate) until true, or fail after ``within_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not await check():
+        assert loop.time() < deadline, "not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def _states(db: Database, ids: list[str]) -> dict[str, str]:
+    found = await rows(db, "SELECT id, state FROM reservations WHERE id = ANY(%s)", (ids,))
+    return {r["id"]: r["state"] for r in found}
+
+
+async def test_freed_capacity_wakes_the_batch_and_it_places_fairly(
+    db: Database, service: ReservationService
+):
+    from bettercompute.service.reconciling import Reconciler
+    from bettercompute.supervising import cancel
+
+    # One node (8 GPUs), and a batchMs long enough that only a notification wakes the placer
+    # within the test: freed capacity must reach the batch at once, not at its next poll.
+    await lease_world(db, nodes=1, batchMs=60_000)
+    one_gpu = [{"class": "gpu", "count": 1}]
+    reconciler = asyncio.create_task(Reconciler(db).run())
+    try:
+        async with placers(db, [service]):
+            await asyncio.sleep(0.3)  # the loop takes the lease
+            wait = {"timeoutMs": 10_000}
+            small = await service.create(
+                caller(),
+                create_input(
+                    idempotencyKey="small", devices=[{"class": "gpu", "count": 2}], wait=wait
+                ),
+            )
+            rest = await service.create(
+                caller(),
+                create_input(
+                    idempotencyKey="rest", devices=[{"class": "gpu", "count": 6}], wait=wait
+                ),
+            )
+            assert {small["state"], rest["state"]} <= {"placed", "binding"}
+            # The pool is full: acme's flood (oldest) and then globex's single request wait.
+            flood = [
+                (
+                    await service.create(
+                        caller(),
+                        create_input(idempotencyKey=f"flood-{i}", devices=one_gpu, wait=wait),
+                    )
+                )["id"]
+                for i in range(3)
+            ]
+            single = await service.create(
+                caller("bob", "globex"),
+                create_input(tenantId="globex", idempotencyKey="one", devices=one_gpu, wait=wait),
+            )
+            for rid in [*flood, single["id"]]:
+                [row] = await rows(
+                    db, "SELECT state, conditions FROM reservations WHERE id = %s", (rid,)
+                )
+                assert row["state"] == "pending"
+                assert [c["reason"] for c in row["conditions"]] == ["NoFit"]
+            # Two GPUs freed: one for acme's oldest and one for globex, in the batch's fair
+            # order, however many older requests acme has waiting.
+            await service.release(caller(), {"tenantId": "acme", "reservationId": small["id"]})
+
+            async def two_placed() -> bool:
+                got = await _states(db, [*flood, single["id"]])
+                return sum(1 for s in got.values() if s != "pending") >= 2
+
+            await _until(db, two_placed, within_s=3.0)
+            got = await _states(db, [*flood, single["id"]])
+            assert got[single["id"]] in ("placed", "binding")
+            assert got[flood[0]] in ("placed", "binding")
+            assert got[flood[1]] == got[flood[2]] == "pending"
+    finally:
+        await cancel([reconciler])
+
+
+async def retries(db: Database, rid: str) -> list[dt.datetime]:
+    """When the reservation's retries are due (other wake-ups, such as its maxPending deadline,
+    left out)."""
+    found = await rows(
+        db,
+        "SELECT due_at FROM work_queue WHERE reservation_id = %s"
+        " AND why IN ('retry', 'capacity-freed') ORDER BY due_at",
+        (rid,),
+    )
+    return [r["due_at"] for r in found]
+
+
+async def _pending_row(db: Database, rid: str) -> dict[str, Any]:
+    [row] = await rows(
+        db, "SELECT state, version, conditions FROM reservations WHERE id = %s", (rid,)
+    )
+    return row
+
+
+async def _pending_events(db: Database, rid: str) -> int:
+    [row] = await rows(
+        db,
+        "SELECT count(*) AS n FROM outbox WHERE type = 'reservation.pending' AND subject = %s",
+        (f"reservation/{rid}",),
+    )
+    return int(row["n"])
+
+
+async def test_a_retry_that_still_does_not_fit_is_left_as_it_is_and_tried_again_in_30_s(
+    db: Database, service: ReservationService
+):
+    from bettercompute.store import reconciling
+
+    await lease_world(db, nodes=1)  # 8 GPUs
+    big = await service.create(
+        caller(), create_input(idempotencyKey="big", devices=[{"class": "gpu", "count": 8}])
+    )
+    waiting = await service.create(caller(), create_input(idempotencyKey="waiting"))
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    batch = await placer.place("pool_a")
+    assert (batch.placed, batch.pending) == ([big["id"]], [waiting["id"]])
+    before = await _pending_row(db, waiting["id"])
+    assert [c["reason"] for c in before["conditions"]] == ["NoFit"]
+    assert await _pending_events(db, waiting["id"]) == 1
+
+    # Its retry is due: the reconciler hands it to the batch and changes nothing about it, nor
+    # queues a wake-up of its own (the batch schedules the next retry).
+    await inventory.advance_clock(db, seconds=31)
+    await reconciling.reconcile_due(db)
+    assert await rows(db, "SELECT reservation_id FROM batch_retries") == [
+        {"reservation_id": waiting["id"]}
+    ]
+    assert await _pending_row(db, waiting["id"]) == before
+    assert await retries(db, waiting["id"]) == []
+    assert await batching.has_queued(db, pool_id="pool_a")
+
+    # The batch tries it: still no room, for the same reason, so the row stays as it is (same
+    # version, no second pending event) and the next retry is in 30 s.
+    await placer.renew()  # the clock moved past the lease
+    batch = await placer.place("pool_a")
+    assert (batch.placed, batch.pending) == ([], [waiting["id"]])
+    assert await _pending_row(db, waiting["id"]) == before
+    assert await _pending_events(db, waiting["id"]) == 1
+    assert await rows(db, "SELECT * FROM batch_retries") == []
+    assert not await batching.has_queued(db, pool_id="pool_a")
+    [clock] = await rows(db, "SELECT compute_now() AS now")
+    [retry] = await retries(db, waiting["id"])
+    assert 29 < (retry - clock["now"]).total_seconds() <= 30
+
+
+async def test_a_retry_that_fails_for_a_new_reason_is_pending_again_without_a_second_event(
+    db: Database, service: ReservationService
+):
+    from bettercompute.store import reconciling
+
+    await lease_world(db, nodes=1)  # 8 GPUs
+    await service.create(
+        caller(), create_input(idempotencyKey="big", devices=[{"class": "gpu", "count": 8}])
+    )
+    waiting = await service.create(caller(), create_input(idempotencyKey="waiting"))
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert (await placer.place("pool_a")).pending == [waiting["id"]]
+    before = await _pending_row(db, waiting["id"])
+    # The node goes not ready: the next try fails for another reason.
+    [node] = await rows(db, "SELECT id FROM nodes")
+    await inventory.set_node_status(db, node_id=node["id"], ready=False)
+    await reconciling.reconcile_due(db)
+    assert {"reservation_id": waiting["id"]} in await rows(
+        db, "SELECT reservation_id FROM batch_retries"
+    )
+    batch = await placer.place("pool_a")
+    assert waiting["id"] in batch.pending
+    after = await _pending_row(db, waiting["id"])
+    assert after["state"] == "pending"
+    assert after["version"] == before["version"] + 1
+    [cond] = after["conditions"]
+    assert cond["reason"] == "NoFit"
+    assert cond["message"] != before["conditions"][0]["message"]
+    assert await _pending_events(db, waiting["id"]) == 1
+    # Its next retry in 30 s, written with the pending mark (beside the first batch's, which
+    # still waits: the node's change was reconciled, not that one).
+    [clock] = await rows(db, "SELECT compute_now() AS now")
+    due = await retries(db, waiting["id"])
+    assert len(due) == 2
+    assert all(0 < (at - clock["now"]).total_seconds() <= 30 for at in due)
+
+
+async def test_freed_capacity_requeues_the_pools_waiting_retries_together(
+    db: Database, service: ReservationService
+):
+    from bettercompute.store import journal, reconciling
+
+    await lease_world(db, nodes=1)  # 8 GPUs
+    await service.create(
+        caller(), create_input(idempotencyKey="big", devices=[{"class": "gpu", "count": 8}])
+    )
+    waiting = [
+        await service.create(caller(), create_input(idempotencyKey=f"w{i}")) for i in range(3)
+    ]
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert len((await placer.place("pool_a")).pending) == 3
+    queued_late = await service.create(caller(), create_input(idempotencyKey="late"))
+    async with db.transaction() as conn:
+        await journal.wake_pending(conn, pool_id="pool_a")
+    # Reconciling the first requeues every due retry of the pool in the same transaction, so
+    # the batch it wakes sees them all at once; the queued one is the batch's already.
+    async with db.transaction() as conn:
+        await reconciling.reconcile(conn, waiting[0]["id"])
+    requeued = await rows(db, "SELECT reservation_id FROM batch_retries ORDER BY reservation_id")
+    assert requeued == [{"reservation_id": rid} for rid in sorted(w["id"] for w in waiting)]
+    # The others' due wake-ups were taken with them, as the reconciler takes its own.
+    assert await retries(db, waiting[1]["id"]) == await retries(db, waiting[2]["id"])
+    [clock] = await rows(db, "SELECT compute_now() AS now")
+    for w in waiting[1:]:
+        assert all(at > clock["now"] for at in await retries(db, w["id"]))
+    got = await _pending_row(db, queued_late["id"])
+    assert states.has_condition(got["conditions"], states.Condition.QUEUED)

@@ -25,6 +25,7 @@ from bettercompute.core.lifecycle import (
     NothingDue,
     Place,
     Release,
+    Requeue,
     Reservation,
     SetConditions,
     StartBinding,
@@ -293,6 +294,56 @@ DECIDE: dict[str, Row] = {
             end=NOW + 2 * HOUR,
             lease=NOW + dt.timedelta(seconds=600),
             no_fit=RETRY_PENDING,
+        ),
+    ),
+    # A pool-lease pool: a retry goes through the pool's batch (its fair order), never inline.
+    "pending on a pool-lease pool: requeued for its batch": (
+        pending(
+            pool=pool(policy={"placer": "pool-lease"}),
+            conditions=[cond("Unschedulable", "NoFit", "0 of 1 nodes fit")],
+        ),
+        [],
+        NOW,
+        Requeue(),
+    ),
+    "preempted spot work on a pool-lease pool: requeued for its batch": (
+        pending(
+            pool=pool(policy={"placer": "pool-lease"}),
+            conditions=[cond("Unschedulable", "SpotPreempted", "preempted")],
+        ),
+        [],
+        NOW,
+        Requeue(),
+    ),
+    "pending on a pool-lease pool, archived: failed, not requeued": (
+        pending(pool=pool(policy={"placer": "pool-lease"}, archived=True)),
+        [],
+        NOW,
+        Fail(
+            "PoolGone",
+            "the pool is archived or no longer offered to the tenant",
+            cond(
+                "Unschedulable",
+                "PoolGone",
+                "the pool is archived or no longer offered to the tenant",
+            ),
+        ),
+    ),
+    "pending on a pool-lease pool longer than maxPending: failed, not requeued": (
+        pending(
+            pool=pool(policy={"placer": "pool-lease", "maxPending": "1h"}),
+            pending_since=NOW - HOUR - MS,
+        ),
+        [],
+        NOW,
+        Fail(
+            "MaxPendingExceeded",
+            "pending longer than the pool's maxPending (3600000 ms)",
+            cond(
+                "Unschedulable",
+                "MaxPendingExceeded",
+                "pending longer than the pool's maxPending (3600000 ms)",
+            ),
         ),
     ),
     # Placed: repair a bad booking, wait for the start, then hand over to the nodes.

@@ -157,6 +157,16 @@ class Place:
 
 
 @dataclass(frozen=True)
+class Requeue:
+    """A pool-lease pool's pending reservation is due a retry: hand it to the pool's batch.
+
+    The batch tries it in the same fair order as new requests (``core.batching``) and, when it
+    still does not fit, applies ``still_unschedulable`` as ``after_no_fit`` does. Nothing about
+    the reservation changes here: no condition, no version.
+    """
+
+
+@dataclass(frozen=True)
 class MarkPending:
     """``pending`` with ``Unschedulable``; retried in 30 s."""
 
@@ -200,6 +210,7 @@ Step = (
     | CarryHeld
     | Fail
     | Place
+    | Requeue
     | MarkPending
     | StartBinding
     | Activate
@@ -242,18 +253,21 @@ def decide(
 def after_no_fit(reservation: Reservation, step: Place, message: str, *, now: dt.datetime) -> Step:
     """What a ``Place`` that did not fit (the placer said ``message``) leads to."""
     rule = step.no_fit
-    if rule.still_pending_if_unchanged:
-        current = next(
-            (c for c in reservation.conditions if c.get("type") == Condition.UNSCHEDULABLE), None
-        )
-        # Still no fit for the same reason: nothing changed, so keep the version still (no
-        # churn for watchers) and try again in 30 s. A booking that went bad stays the reason.
-        if current is not None and (
-            current.get("reason") == Reason.BOOKING_REPAIR_FAILED
-            or current.get("message") == message
-        ):
-            return WaitUntil(now + PENDING_RETRY, "retry")
+    # Still no fit for the same reason: nothing changed, so keep the version still (no churn
+    # for watchers) and try again in 30 s.
+    if rule.still_pending_if_unchanged and still_unschedulable(reservation.conditions, message):
+        return WaitUntil(now + PENDING_RETRY, "retry")
     return MarkPending(rule.reason, rule.prefix + message, rule.first)
+
+
+def still_unschedulable(conditions: Sequence[Mapping[str, Any]], message: str) -> bool:
+    """Whether a pending retry that did not fit (the placer said ``message``) leaves the
+    reservation as it is: its ``Unschedulable`` already says so, or says that its booking went
+    bad (which stays the reason). The reconciler's retries and the batch's share this rule."""
+    current = next((c for c in conditions if c.get("type") == Condition.UNSCHEDULABLE), None)
+    return current is not None and (
+        current.get("reason") == Reason.BOOKING_REPAIR_FAILED or current.get("message") == message
+    )
 
 
 def _pending(r: Reservation, now: dt.datetime) -> Step:
@@ -278,6 +292,11 @@ def _pending(r: Reservation, now: dt.datetime) -> Step:
         # Queued for the pool-lease placer: its batch places it, never the reconciler (a pool
         # switched back to inline has its queued reservations placed here instead).
         return NothingDue()
+    if pool.pool_lease:
+        # Any other retry of a pool-lease pool goes through its batch too, so what waits is
+        # tried in the same fair order as new requests: one tenant's older flood does not take
+        # freed capacity ahead of another tenant's request.
+        return Requeue()
     # The requested start is kept while it is ahead; once it has passed, the window begins at
     # placement with the full duration.
     start = max(now, r.requested_start) if r.requested_start is not None else now

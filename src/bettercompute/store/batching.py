@@ -7,13 +7,21 @@ lock: the lease checked, the queued rows locked, one snapshot read, a pure plan
 (``core.batching.plan``), then guarded writes with the same statements the inline placer uses
 (``store/placing.py``), so a batch-placed reservation is exactly what an inline one is.
 
+Retries go the same way: a pending reservation of the pool that is not queued (what a batch
+could not place, spot work preempted) is requeued by the reconciler when its retry is due
+(every 30 s, at once when capacity is freed; ``lifecycle.Requeue``, table ``batch_retries``,
+migration 0014). The batch takes requeued and queued reservations in one fair order, so one
+tenant's flood of older pending requests does not take freed capacity ahead of another
+tenant's request; a requeued one that still does not fit follows the reconciler's retry rule
+(``lifecycle.still_unschedulable``: unchanged, it is left as it is).
+
 The lease (migration 0013) keeps two replicas from both placing a pool: the batch locks the
 lease row and places only while it is this holder's, at this epoch, unexpired. Even without
-it no reservation could be placed twice: the queued rows are read and locked under the pool
-lock and placing moves them out of the queued state in the same transaction.
+it no reservation could be placed twice: the queued and requeued rows are read and locked
+under the pool lock, and placing moves them out of the pending state in the same transaction.
 
 What it must never do: decide policy, charge quota (transaction 2 did, and a pending
-reservation keeps its charge), or place a reservation that is not queued.
+reservation keeps its charge), or place a reservation that is neither queued nor requeued.
 """
 
 from __future__ import annotations
@@ -26,34 +34,46 @@ from typing import Any
 
 import psycopg.errors
 
-from bettercompute.core import batching, placement, pools
+from bettercompute.core import batching, lifecycle, placement, pools
 from bettercompute.core.errors import StoreError
-from bettercompute.store import placing, preempting, views
+from bettercompute.store import journal, placing, preempting, views
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row
 
 #: A batch transaction may run longer than a create's (hundreds of reservations in one).
 BATCH_WITHIN_S = 15.0
 
-_QUEUED = """
+# What waits for the batch: the queued reservations and the requeued ones (retries handed over by
+# the reconciler, migration 0014), each set found through its own index, then one fair order.
+_WAITING = """
+    SELECT r.id FROM reservations r
+     WHERE r.pool_id = %(pool)s AND r.state = 'pending'
+       AND r.conditions @> '[{"type": "Queued"}]'
+    UNION
+    SELECT r.id FROM batch_retries b JOIN reservations r ON r.id = b.reservation_id
+     WHERE b.pool_id = %(pool)s AND r.state = 'pending'
+"""
+
+_QUEUED = f"""
     WITH q AS (
         SELECT r.id, coalesce(r.requested_start, r.created_at) AS requested, r.created_at,
                row_number() OVER (PARTITION BY r.tenant_id
                                   ORDER BY coalesce(r.requested_start, r.created_at),
                                            r.created_at, r.id) AS turn
           FROM reservations r
-         WHERE r.pool_id = %(pool)s AND r.state = 'pending'
-           AND r.conditions @> '[{"type": "Queued"}]'
+         WHERE r.id IN ({_WAITING})
     ), picked AS (
         SELECT q.id FROM q ORDER BY q.turn, q.requested, q.created_at, q.id LIMIT %(limit)s
     )
     SELECT r.id, r.tenant_id, r.request, r.requested_start, r.created_at, r.duration,
-           r.lease_seconds
+           r.lease_seconds, r.conditions,
+           NOT r.conditions @> '[{{"type": "Queued"}}]' AS requeued
       FROM reservations r
      WHERE r.id IN (SELECT id FROM picked) AND r.state = 'pending'
-       AND r.conditions @> '[{"type": "Queued"}]'
+       AND (r.conditions @> '[{{"type": "Queued"}}]'
+            OR EXISTS (SELECT 1 FROM batch_retries b WHERE b.reservation_id = r.id))
      ORDER BY r.id
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE OF r SKIP LOCKED
 """
 
 
@@ -126,14 +146,11 @@ async def give_back_leases(db: Database, *, holder: str) -> None:
 
 
 async def has_queued(db: Database, *, pool_id: str) -> bool:
-    """Whether anything waits for a batch, read without any lock (a cheap idle check)."""
+    """Whether anything waits for a batch (queued or requeued), read without any lock (a cheap
+    idle check)."""
     async with db.connection() as conn:
         row = await (
-            await conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM reservations WHERE pool_id = %s"
-                " AND state = 'pending' AND conditions @> '[{\"type\": \"Queued\"}]') AS any",
-                (pool_id,),
-            )
+            await conn.execute(f"SELECT EXISTS ({_WAITING}) AS any", {"pool": pool_id})
         ).fetchone()
     return bool(row and row["any"])
 
@@ -141,7 +158,7 @@ async def has_queued(db: Database, *, pool_id: str) -> bool:
 async def place_batch(
     db: Database, *, pool_id: str, holder: str, epoch: int, max_batch: int
 ) -> Batch:
-    """Place up to ``max_batch`` queued reservations of the pool in one transaction.
+    """Place up to ``max_batch`` queued or requeued reservations of the pool in one transaction.
 
     Raises ``LeaseLost`` (nothing written) when the lease is not this holder's at ``epoch``,
     ``StoreError`` when the database refused the batch's bookings twice.
@@ -184,6 +201,14 @@ async def _place_batch(
         now: dt.datetime = lease["now"]
         if not rows:
             return Batch()
+        # The retries it picked are taken (tried now; a no-fit below schedules the next), and
+        # those whose reservation left pending meanwhile are let go.
+        await conn.execute(
+            "DELETE FROM batch_retries b USING reservations r"
+            " WHERE b.pool_id = %s AND r.id = b.reservation_id"
+            "   AND (b.reservation_id = ANY(%s) OR r.state <> 'pending')",
+            (pool_id, [row["id"] for row in rows if row["requeued"]]),
+        )
         queued: list[batching.Queued] = []
         by_id: dict[str, Row] = {}
         for row in rows:
@@ -270,19 +295,31 @@ async def _place_batch(
                     )
                     done.placed.append(q.reservation_id)
                     continue
+            done.pending.append(q.reservation_id)
+            row = by_id[q.reservation_id]
+            if row["requeued"] and lifecycle.still_unschedulable(row["conditions"], no_fit.message):
+                # A retry that changes nothing, as the reconciler's: the row stays as it is
+                # (no version, no condition: no churn for watchers), tried again in 30 s.
+                await journal.wake(
+                    conn,
+                    reservation_id=q.reservation_id,
+                    at=now + lifecycle.PENDING_RETRY,
+                    why="retry",
+                )
+                continue
             # Left exactly as the inline placer leaves what does not fit: pending with
-            # Unschedulable/NoFit, retried by the reconciler (every 30 s, at once when
-            # capacity is freed).
+            # Unschedulable/NoFit and a retry in 30 s (at once when capacity is freed), which
+            # the reconciler hands back to a batch (``lifecycle.Requeue``). The ``pending``
+            # event only the first time: a retry's new reason is no new event.
             await conn.execute(
                 *placing.mark_pending_statement(
                     reservation_id=q.reservation_id,
                     pool_id=pool_id,
                     message=no_fit.message,
                     now=now,
-                    first=True,
+                    first=not row["requeued"],
                 )
             )
-            done.pending.append(q.reservation_id)
         # Waiters on every replica learn the batch committed (service/batching.py); those in
         # this process get the placed reservations as they now read, without a read of their own.
         async with conn.pipeline():

@@ -10,6 +10,10 @@ a state, the statements that apply a step); every rule of the lifecycle (what is
 failed binding or a lost node means) is ``core.lifecycle.decide``. It never decides policy.
 Its state-changing statements are guarded by the state the decision was made on; the
 reservation's row lock makes the guard hold, so it documents what each step expects.
+
+On a pool-lease pool it never places a pending reservation itself: a retry that is due is handed
+to the pool's batch (``lifecycle.Requeue``, ``store/batching.py``), together with every other
+retry of the pool due now, so that one batch sees them all and orders them fairly.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ async def reconcile_due(db: Database, *, limit: int = 20) -> int:
 
     Each reservation is reconciled in its own transaction together with the deletion of its due
     queue rows, taken ``FOR UPDATE SKIP LOCKED`` so replicas share the queue without waiting on
-    each other, and a crash mid-way leaves the wake-up in place.
+    each other, and a crash mid-way leaves the wake-up in place. (A pool-lease pool's retries
+    due at once share one transaction: ``_requeue_due``.)
     """
     done = 0
     for _ in range(limit):
@@ -68,6 +73,10 @@ async def next_due_in(db: Database) -> float | None:
 
 async def reconcile(conn: Conn, reservation_id: str) -> None:
     """Do what is due for one reservation, in the caller's transaction."""
+    await _reconcile(conn, reservation_id, together=True)
+
+
+async def _reconcile(conn: Conn, reservation_id: str, *, together: bool) -> None:
     state = await _unsettled(conn, reservation_id)
     if state is None:
         return
@@ -87,6 +96,50 @@ async def reconcile(conn: Conn, reservation_id: str) -> None:
     allocations = await _allocations(conn, row["id"], reservation.state)
     step = lifecycle.decide(reservation, allocations, now=now)
     await _apply(conn, row, reservation, step, now)
+    if together and isinstance(step, lifecycle.Requeue) and reservation.pool is not None:
+        await _requeue_due(
+            conn, pool_id=row["pool_id"], skip=row["id"], limit=reservation.pool.max_batch
+        )
+
+
+# The pool's other pending reservations with a wake-up due now (at most one batch of them, the
+# first in the batch's fair order): their due rows taken as ``reconcile_due`` takes them.
+_DUE_IN_POOL = """
+    WITH due AS (
+        SELECT DISTINCT r.id, r.tenant_id, coalesce(r.requested_start, r.created_at) AS requested,
+               r.created_at
+          FROM work_queue w JOIN reservations r ON r.id = w.reservation_id
+         WHERE w.due_at <= compute_now() AND r.pool_id = %(pool)s AND r.state = 'pending'
+           AND r.id <> %(skip)s AND NOT r.conditions @> '[{"type": "Queued"}]'
+    ), picked AS (
+        SELECT id FROM due
+         ORDER BY row_number() OVER (PARTITION BY tenant_id ORDER BY requested, created_at, id),
+                  requested, created_at, id
+         LIMIT %(limit)s
+    ), taken AS (
+        SELECT w.id FROM work_queue w
+         WHERE w.reservation_id IN (SELECT id FROM picked) AND w.due_at <= compute_now()
+           FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM work_queue w USING taken t WHERE w.id = t.id RETURNING w.reservation_id
+"""
+
+
+async def _requeue_due(conn: Conn, *, pool_id: str, skip: str, limit: int) -> None:
+    """Reconcile, in this transaction, the pool's other pending reservations whose wake-ups are
+    due now (under the pool lock already held).
+
+    Why: freed capacity wakes every pending reservation of the pool at once, and the reconciler
+    takes them one per transaction. Requeued one by one, each commit would wake the batch,
+    which could place the first few (one tenant's oldest flood) before the others were requeued
+    and so before its fair order could see them. Each is still decided by its own rules (one may
+    fail or be released instead); what is requeued here wakes the batch once, at commit.
+    """
+    taken = await (
+        await conn.execute(_DUE_IN_POOL, {"pool": pool_id, "skip": skip, "limit": limit})
+    ).fetchall()
+    for rid in dict.fromkeys(r["reservation_id"] for r in taken):
+        await _reconcile(conn, rid, together=False)
 
 
 async def _unsettled(conn: Conn, reservation_id: str) -> State | None:
@@ -226,6 +279,19 @@ async def _apply(
             await _fail(conn, row, reservation.state, step)
         case lifecycle.Place():
             await _place(conn, row, reservation, step, now)
+        case lifecycle.Requeue():
+            # Nothing about the reservation changes (no condition, no version: no churn for
+            # watchers) and no wake-up is queued: the batch tries it and schedules its next
+            # retry. The notification wakes the pool's lease holder as this commits.
+            await conn.execute(
+                "INSERT INTO batch_retries (reservation_id, pool_id)"
+                " SELECT id, pool_id FROM reservations WHERE id = %s AND state = 'pending'"
+                " ON CONFLICT (reservation_id) DO NOTHING",
+                (rid,),
+            )
+            await conn.execute(
+                "SELECT pg_notify('compute_placer', %s)", (f"queued:{row['pool_id']}",)
+            )
         case lifecycle.MarkPending(reason=reason, message=message, first=first):
             await conn.execute(
                 *placing.mark_pending_statement(
