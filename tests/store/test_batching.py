@@ -381,6 +381,45 @@ async def test_a_regular_request_in_a_batch_preempts_spot_work_as_inline(
     assert await overlapping_bookings(db) == 0
 
 
+async def test_a_retry_in_a_batch_does_not_preempt_spot_work(
+    db: Database, service: ReservationService
+):
+    # Preemption happens when a request is admitted (its first batch), never on a retry: the
+    # same rule as the inline placer, whose retries the reconciler makes.
+    from bettercompute.store import reconciling
+
+    await lease_world(db, nodes=1)  # 8 GPUs
+    later = 4_000_000_000_000
+    big = await service.create(
+        caller(),
+        create_input(idempotencyKey="big", devices=[{"class": "gpu", "count": 8}], start=later),
+    )
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    assert (await placer.place("pool_a")).placed == [big["id"]]
+    regular = await service.create(
+        caller(),
+        create_input(idempotencyKey="regular", devices=[{"class": "gpu", "count": 4}], start=later),
+    )
+    assert (await placer.place("pool_a")).pending == [regular["id"]]  # nothing to preempt
+    # The big one goes, and spot work takes its place before the regular one is retried.
+    await service.cancel(caller(), {"tenantId": "acme", "reservationId": big["id"]})
+    spot = await service.create(
+        caller(),
+        create_input(
+            idempotencyKey="spot", devices=[{"class": "gpu", "count": 8}], start=later, spot=True
+        ),
+    )
+    assert (await placer.place("pool_a")).placed == [spot["id"]]
+    await reconciling.reconcile_due(db)  # the freed capacity's retry: requeued for a batch
+    assert await batching.has_queued(db, pool_id="pool_a")
+    assert (await placer.place("pool_a")).pending == [regular["id"]]
+    kept = await service.get(caller(), {"tenantId": "acme", "reservationId": spot["id"]})
+    assert kept["state"] == "placed"
+    assert not states.has_condition(kept["conditions"], states.Condition.PREEMPTED)
+    assert await overlapping_bookings(db) == 0
+
+
 async def test_quota_short_on_a_pool_lease_pool_queues_and_charges_nothing(
     db: Database, service: ReservationService
 ):

@@ -264,8 +264,14 @@ async def _place_batch(
         notice: dt.timedelta | None = None
         for q, no_fit in unplaced:
             request = by_id[q.reservation_id]["request"]
-            if not no_fit.never and not request.get("spot") and request.get("binding") != "node":
-                # A regular request may take the capacity of spot work, as inline.
+            if (
+                not no_fit.never
+                and not request.get("spot")
+                and request.get("binding") != "node"
+                and not by_id[q.reservation_id]["requeued"]
+            ):
+                # A regular request may take the capacity of spot work when it is admitted, as
+                # inline; a retry never does (it waits, as the reconciler's retries do).
                 if notice is None:
                     info = await pool_rows.read_pool(conn, pool_id=pool_id, tenant_id=q.tenant_id)
                     notice = dt.timedelta(
