@@ -31,7 +31,7 @@ from bettercompute.core import attributes, errors, hosts, placement, pools, stat
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import budgets, journal, placing, preempting, quotas, views
 from bettercompute.store import pools as pool_rows
-from bettercompute.store.database import Database, jsonb, pipelined
+from bettercompute.store.database import Database, jsonb, script, scripted
 
 #: The ``Queued`` condition's message while a reservation waits for its batch.
 QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
@@ -39,44 +39,18 @@ QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
 #: The last resort for a live holder that hung: its claim is taken over after this long.
 CLAIM_TTL = dt.timedelta(seconds=30)
 
-# The statements of both transactions: constant texts, so each connection prepares them once.
-_DRAFT_BEGIN = "SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s)"
-_POOL_SHARE = "SELECT host_share FROM pools WHERE id = %s"
-_DRAFT_WRITE = """
-    WITH draft AS (
-        INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
-            idempotency_key, request_hash, request, state, requested_start, duration,
-            lease_seconds, host_share)
-        VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s::bigint / 1000.0),
-                %s::bigint * interval '1 millisecond', %s, %s)
-        ON CONFLICT (id) DO UPDATE SET request = excluded.request,
-            host_share = excluded.host_share
-    ), authz AS (
-        INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
-                                     owner_identity_id, attributes)
-        VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
-        ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
-    )
-    UPDATE idempotency SET claim = %s, claim_holder = %s, claimed_at = compute_now()
-     WHERE id = %s
+# Prepared statements (constant texts, so each connection prepares them once). Transaction 2
+# on a pool-lease pool, whole: the function, and the reservation as it left it.
+_QUEUE = f"""
+    SELECT q.mine, q.budget_short, q.quota_short, {views.COLUMNS}
+      FROM bc_admission_queue(%s, %s, %s, %s, %s::text[], %s::bigint[], %s, %s::numeric,
+               jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,
+                                  'since', epoch_ms(compute_now())),
+               %s, %s, %s, %s::bigint * interval '1 millisecond') q
+      LEFT JOIN LATERAL (SELECT (q.queued).*) r ON true
 """
-_QUEUE = """
-    SELECT * FROM bc_admission_queue(%s, %s, %s, %s, %s::text[], %s::bigint[], %s, %s::numeric,
-        jsonb_build_object('type', %s::text, 'reason', %s::text, 'message', %s::text,
-                           'since', epoch_ms(compute_now())), %s, %s, %s)
-"""
-_ADMISSION_BEGIN = """
-    SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s::text[], %s::bigint[],
-        to_timestamp(%s::bigint / 1000.0), %s::bigint * interval '1 millisecond', %s,
-        %s::numeric, %s)
-"""
-_ADMISSION_DONE = "SELECT bc_admission_done(%s, %s, %s, %s, %s, %s)"
+# The reservation object, read after an inline transaction 2 committed.
 _VIEW = f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s"
-_MAX_PENDING_WAKE = """
-    INSERT INTO work_queue (reservation_id, due_at, why)
-    SELECT r.id, r.pending_since + %s::bigint * interval '1 millisecond', 'max-pending'
-      FROM reservations r WHERE r.id = %s AND r.state = 'pending'
-"""
 
 
 @dataclass(frozen=True)
@@ -122,12 +96,14 @@ async def write_draft(
 ) -> Draft | Existing | Busy:
     """Transaction 1. Raises ``ComputeError`` for a refused key, a conflict or a bad pool.
 
-    Runs in pipeline mode (``pipelined``): the idempotency upsert, its locked read and the pool
-    read travel in one round trip, the writes and the commit in another.
+    Two round trips (``script``): the idempotency upsert, its locked read and the pool read in
+    one, the writes and the commit in the other.
     """
-    async with pipelined(db) as conn:
-        begun = await conn.execute(
-            _DRAFT_BEGIN,
+    async with scripted(db) as conn:
+        [[row], share_rows] = await script(
+            conn,
+            "BEGIN; SELECT * FROM bc_draft_begin(%s, %s, %s, %s, %s, %s, %s, %s);"
+            " SELECT host_share FROM pools WHERE id = %s",
             (
                 idempotency_id,
                 tenant_id,
@@ -137,12 +113,9 @@ async def write_draft(
                 reservation_id,
                 str(request["poolId"]),
                 CLAIM_TTL,
+                str(request["poolId"]),
             ),
-            prepare=True,
         )
-        shares = await conn.execute(_POOL_SHARE, (str(request["poolId"]),), prepare=True)
-        row = await begun.fetchone()
-        share_rows = await shares.fetchall()
         assert row is not None  # inserted or found, and locked
         if row["state"] == states.State.DENIED:
             raise errors.access_denied(
@@ -177,11 +150,29 @@ async def write_draft(
         attrs = attributes.reservation_attributes(
             request=request, gpu_model=pool.gpu_model, region=pool.region, duration_ms=duration_ms
         )
-        # The draft, its authorization row and our claim, in one statement; the commit follows
-        # when the block ends. A draft decided again keeps its row and refreshes what the
-        # decision sees.
-        await conn.execute(
-            _DRAFT_WRITE,
+        # The draft, its authorization row and our claim, in one statement, and the commit.
+        # A draft decided again keeps its row and refreshes what the decision sees.
+        await script(
+            conn,
+            """
+            WITH draft AS (
+                INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id,
+                    idempotency_key, request_hash, request, state, requested_start, duration,
+                    lease_seconds, host_share)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, 'draft', to_timestamp(%s / 1000.0),
+                        %s * interval '1 millisecond', %s, %s)
+                ON CONFLICT (id) DO UPDATE SET request = excluded.request,
+                    host_share = excluded.host_share
+            ), authz AS (
+                INSERT INTO authz_resources (id, resource_type, tenant_id, parent_id,
+                                             owner_identity_id, attributes)
+                VALUES (%s, 'compute-reservation', %s, %s, %s, %s)
+                ON CONFLICT (id) DO UPDATE SET attributes = excluded.attributes
+            )
+            UPDATE idempotency SET claim = %s, claim_holder = %s, claimed_at = compute_now()
+             WHERE id = %s;
+            COMMIT
+            """,
             (
                 reservation_id,
                 tenant_id,
@@ -203,7 +194,6 @@ async def write_draft(
                 holder,
                 idempotency_id,
             ),
-            prepare=True,
         )
     return Draft(reservation_id, idempotency_id, claim, pool, attrs, dict(request), host_share)
 
@@ -334,44 +324,37 @@ async def _queue(
     what lets creates on one pool commit side by side.
     """
     resources = sorted(demand)
-    async with pipelined(db) as conn:
-        # One round trip. On a refusal (claim lost, budget or quota short) the function wrote
-        # nothing, so committing it is the same as rolling it back: it only ends the locks.
-        queued = await conn.execute(
-            _QUEUE,
-            (
-                draft.idempotency_id,
-                draft.claim,
-                draft.pool.id,
-                tenant_id,
-                resources,
-                [demand[r] for r in resources],
-                draft.reservation_id,
-                budget_hours,
-                states.Condition.QUEUED.value,
-                states.Reason.POOL_PLACER.value,
-                QUEUED_MESSAGE,
-                jsonb(dict(demand)),
-                actor,
-                jsonb(dict(context)),
-            ),
-            prepare=True,
-        )
-        # The pool's maxPending holds while it is queued too: the reconciler looks at it the
-        # first millisecond past it (exactly maxPending still waits), even when no replica runs
-        # the placer. Written only if it was queued.
-        await conn.execute(
-            _MAX_PENDING_WAKE,
-            (draft.pool.max_pending_ms + 1, draft.reservation_id),
-            prepare=True,
-        )
-        view = await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)
-    # Read once the block sent the commit with the statements: one round trip in all.
-    begun = await queued.fetchone()
-    row = await view.fetchone()
-    assert begun is not None
+    async with db.connection() as conn:
+        # One statement, alone, in autocommit: the server commits as soon as it ran, so the
+        # tenant's quota rows it locks wait for nothing this process does (migration 0015). On
+        # a refusal (claim lost, budget or quota short) it wrote nothing. The pool's maxPending
+        # holds while queued too: a wake-up the first millisecond past it (exactly maxPending
+        # still waits), even when no replica runs the placer.
+        row = await (
+            await conn.execute(
+                _QUEUE,
+                (
+                    draft.idempotency_id,
+                    draft.claim,
+                    draft.pool.id,
+                    tenant_id,
+                    resources,
+                    [demand[r] for r in resources],
+                    draft.reservation_id,
+                    budget_hours,
+                    states.Condition.QUEUED.value,
+                    states.Reason.POOL_PLACER.value,
+                    QUEUED_MESSAGE,
+                    jsonb(dict(demand)),
+                    actor,
+                    jsonb(dict(context)),
+                    draft.pool.max_pending_ms + 1,
+                ),
+                prepare=True,
+            )
+        ).fetchone()
     assert row is not None
-    _refuse_unless_admitted(begun, draft)
+    _refuse_unless_admitted(row, draft)
     return views.to_view(row)
 
 
@@ -398,33 +381,31 @@ async def _commit_once(
     demand: Mapping[str, int],
     budget_hours: float | None,
 ) -> dict[str, Any]:
-    # Two round trips: begin (claim, budget, pool lock, quota, window, busy atoms), then the
-    # writes, the view and the commit. Placement is decided in Python in between, under the
-    # pool lock.
+    # Two round trips under the pool lock: begin (claim, budget, pool lock, quota, window, busy
+    # atoms), then the writes and the commit; placement is decided in Python in between. The
+    # reservation object is read after the commit.
     resources = sorted(demand)
     wanted = pools.demand(request=request)
     host = wanted.host
-    async with pipelined(db) as conn:
-        begun = await (
-            await conn.execute(
-                _ADMISSION_BEGIN,
-                (
-                    draft.idempotency_id,
-                    draft.claim,
-                    draft.pool.id,
-                    tenant_id,
-                    resources,
-                    [demand[r] for r in resources],
-                    request.get("start"),
-                    duration_ms,
-                    draft.reservation_id,
-                    budget_hours,
-                    bool(host),
-                ),
-                prepare=True,
-            )
-        ).fetchone()
-        assert begun is not None
+    async with scripted(db) as conn:
+        [[begun]] = await script(
+            conn,
+            "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
+            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)",
+            (
+                draft.idempotency_id,
+                draft.claim,
+                draft.pool.id,
+                tenant_id,
+                resources,
+                [demand[r] for r in resources],
+                request.get("start"),
+                duration_ms,
+                draft.reservation_id,
+                budget_hours,
+                bool(host),
+            ),
+        )
         # A refusal leaves the block, which rolls the transaction back, and with it the locks.
         _refuse_unless_admitted(begun, draft)
         now, start, end = begun["now_"], begun["start_"], begun["end_"]
@@ -482,25 +463,24 @@ async def _commit_once(
                 now=now,
                 quota_charge=demand,
             )
-            await conn.execute(book_sql, book_params, prepare=True)
-            await conn.execute(mark_sql, mark_params, prepare=True)
+            apply_sql = f"{book_sql}; {mark_sql}"
+            apply_params: tuple[Any, ...] = (*book_params, *mark_params)
             result = "placed"
         else:
-            await conn.execute(
-                *placing.mark_pending_statement(
-                    reservation_id=draft.reservation_id,
-                    pool_id=draft.pool.id,
-                    message=outcome.message,
-                    now=now,
-                    first=True,
-                    quota_charge=demand,
-                ),
-                prepare=True,
+            apply_sql, apply_params = placing.mark_pending_statement(
+                reservation_id=draft.reservation_id,
+                pool_id=draft.pool.id,
+                message=outcome.message,
+                now=now,
+                first=True,
+                quota_charge=demand,
             )
             result = "pending"
-        await conn.execute(
-            _ADMISSION_DONE,
+        await script(
+            conn,
+            f"{apply_sql}; SELECT bc_admission_done(%s, %s, %s, %s, %s, %s); COMMIT",
             (
+                *apply_params,
                 draft.idempotency_id,
                 draft.reservation_id,
                 actor,
@@ -508,10 +488,8 @@ async def _commit_once(
                 result,
                 jsonb(dict(context)),
             ),
-            prepare=True,
         )
-        view = await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)
-        # The writes, the view and the commit travel in one round trip when the block ends.
-    row = await view.fetchone()
+        # Read once committed, outside the pool lock, as a prepared statement.
+        row = await (await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)).fetchone()
     assert row is not None
     return views.to_view(row)

@@ -248,28 +248,30 @@ def _sever(conn: Conn) -> None:
 
 
 @asynccontextmanager
-async def pipelined(db: Database, *, within_s: float | None = None) -> AsyncIterator[Conn]:
-    """A connection in pipeline mode inside one transaction: committed when the block ends
-    cleanly, rolled back when it raises.
+async def scripted(db: Database) -> AsyncIterator[Conn]:
+    """A connection for a transaction written as scripts (see ``script``).
 
-    Why: a create's transactions are a few short statements, and on these small machines the
-    round trips, the parsing and planning of each statement and psycopg's query composition
-    cost more than the SQL itself. In pipeline mode ``BEGIN`` and the statements travel
-    together, and reading a result is what waits for the server, so a transaction of two steps
-    costs two round trips; statements run with ``prepare=True`` are parsed and planned once
-    per connection. Errors of statements sent but not yet read (an exclusion violation at
-    the commit) are raised when the block ends.
+    The scripts say ``BEGIN`` and ``COMMIT`` themselves, so a transaction of two steps costs two
+    round trips. Whatever the block leaves open (an early answer, an exception) is rolled back.
     """
-    async with db.connection(within_s=within_s) as conn, conn.pipeline(), conn.transaction():
-        yield conn
+    async with db.connection() as conn:
+        try:
+            yield conn
+        finally:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await conn.execute("ROLLBACK")
 
 
 async def script(conn: Conn, sql: str, params: Sequence[Any] = ()) -> list[list[Row]]:
     """Several statements in one round trip; returns the rows of each statement that has any.
 
-    Why: on these small machines a round trip costs more than the SQL it carries. For a read of
-    several statements done rarely (the stats); a hot path takes ``pipelined`` and prepared
-    statements instead, which the server does not parse and plan each time.
+    Why: on these small machines a round trip costs more than the SQL it carries, and the
+    server runs a script's statements back to back: a transaction that ends ``…; COMMIT`` holds
+    its locks for no time the client spends elsewhere. (psycopg's pipeline mode sends each
+    statement as it is executed, with a turn of the event loop in between, and measured slower
+    here at 32 callers.) The price: the server parses and plans every statement each time, so
+    keep scripts to cheap statements (function calls) and read the reservation object with a
+    prepared statement, after the commit.
     Parameters are bound client-side by psycopg (properly quoted; never format SQL by hand), so
     the simple query protocol can carry ``BEGIN; SELECT …`` or ``SELECT …; COMMIT`` at once.
     """
