@@ -469,6 +469,29 @@ async def test_a_waiting_create_is_woken_by_the_batch_not_by_its_next_poll(
     assert time.monotonic() - placed_at < 0.3
 
 
+async def test_a_waiting_create_left_pending_by_its_batch_returns_at_once(
+    db: Database, service: ReservationService
+):
+    await lease_world(db, nodes=1)  # 8 GPUs
+    placer = PoolPlacer(db, signals=service.signals)
+    await placer.renew()
+    await service.create(
+        caller(), create_input(idempotencyKey="big", devices=[{"class": "gpu", "count": 8}])
+    )
+    assert len((await placer.place("pool_a")).placed) == 1
+    waiting = asyncio.create_task(
+        service.create(caller(), {**create_input(), "wait": {"timeoutMs": 20_000}})
+    )
+    await asyncio.sleep(1.7)  # its back-off is at a full second between reads
+    assert not waiting.done()
+    assert len((await placer.place("pool_a")).pending) == 1
+    decided_at = time.monotonic()
+    view = await waiting
+    assert view["state"] == "pending"
+    assert view["operation"]["state"] == "pending"  # no longer running: the wait is over
+    assert time.monotonic() - decided_at < 0.3
+
+
 async def _until(db: Database, check: Any, *, within_s: float = 5.0) -> None:
     """Poll ``check()`` (an async predicate) until true, or fail after ``within_s``."""
     loop = asyncio.get_running_loop()

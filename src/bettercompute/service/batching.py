@@ -17,12 +17,13 @@ once.
 
 ``Signals`` also carries the other direction: a committed batch (here, or ``placed:<pool>`` from
 another replica) wakes the requests waiting on that pool (``ReservationService._wait``), so a
-``wait`` returns as soon as its reservation was placed. A batch of this process hands its
-waiters their views, so a waiter it did not take reads nothing: only a batch elsewhere (which
-hands nothing) or the waiter's own back-off sends it to the database. Without that, every
-batch would cost one read per waiting request, however few it placed. The ``placed:<pool>``
-notification of a batch of this process comes back to it too; while this process holds the
-pool's lease it is that echo (no other replica can place the pool) and is ignored.
+``wait`` returns as soon as its reservation was placed (or left pending). A batch of this
+process hands its waiters their views, so a waiter it did not take reads nothing; a batch of
+another replica names what it decided (``placed:<pool>:<id>,…``), and only those waiters read.
+Without that, every batch would cost one read per waiting request, however few it decided. A
+notification without ids (from a replica of an earlier version) sends every waiter of the pool
+to read. The notification of a batch of this process comes back to it too; while this process
+holds the pool's lease it is that echo (no other replica can place the pool) and is ignored.
 
 What it must never do: end on a store error (it logs, waits and tries again, like the
 reconciler), or place a pool whose lease it does not hold (the batch checks it, under the pool
@@ -35,7 +36,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from bettercompute import supervising
@@ -69,9 +70,11 @@ class Signals:
         # process handed over for them (taken by the waiter, so never more than are waited on).
         self._watched: dict[str, int] = {}
         self._views: dict[str, dict[str, Any]] = {}
-        # Pool id -> batches committed by other replicas (their views are not here); and the
-        # pools whose lease this process's placer holds.
+        # Pool id -> batches of other replicas that did not say what they decided; the waited
+        # on reservations another replica's batch decided (to read); the pools whose lease this
+        # process's placer holds.
         self._elsewhere: dict[str, int] = {}
+        self._decided_elsewhere: set[str] = set()
         self._holding: frozenset[str] = frozenset()
 
     def queued(self, pool_id: str) -> None:
@@ -90,24 +93,33 @@ class Signals:
         pool_id: str,
         views: Mapping[str, dict[str, Any]] | None = None,
         *,
-        here: bool = True,
+        elsewhere: Collection[str] | None = None,
     ) -> None:
         """A batch of ``pool_id`` committed: wake whoever waits on the pool, handing over the
         ``views`` (reservation id -> view as committed) that somebody here waits for.
-        ``here=False``: a batch of another replica, whose views only a read shows."""
+
+        A batch of another replica hands no views: ``elsewhere`` names what it decided, and
+        those waiters read (``decided_elsewhere``)."""
         for rid, view in (views or {}).items():
             if rid in self._watched:
                 self._views[rid] = view
-        if not here:
-            self._elsewhere[pool_id] = self._elsewhere.get(pool_id, 0) + 1
+        if elsewhere is not None:
+            self._decided_elsewhere.update(rid for rid in elsewhere if rid in self._watched)
         event = self._placed.pop(pool_id, None)
         if event is not None:
             event.set()
 
-    def batches_elsewhere(self, pool_id: str) -> int:
-        """How many batches of ``pool_id`` other replicas committed (a waiter compares it before
-        and after a wake-up: unchanged, the batch was this process's and handed it nothing)."""
+    def unnamed_batches(self, pool_id: str) -> int:
+        """How many batches of ``pool_id`` other replicas committed without saying what they
+        decided (a waiter compares it before and after a wake-up: changed, it must read)."""
         return self._elsewhere.get(pool_id, 0)
+
+    def decided_elsewhere(self, reservation_id: str) -> bool:
+        """Whether another replica's batch decided ``reservation_id`` since last asked."""
+        if reservation_id in self._decided_elsewhere:
+            self._decided_elsewhere.discard(reservation_id)
+            return True
+        return False
 
     def holding(self, pool_ids: Iterable[str]) -> None:
         """The pools whose lease this process's placer now holds."""
@@ -130,6 +142,7 @@ class Signals:
                 self._watched[reservation_id] = left
             else:
                 self._views.pop(reservation_id, None)
+                self._decided_elsewhere.discard(reservation_id)
 
     async def wait_placed(self, pool_id: str, *, within_s: float) -> None:
         """Until the pool's next batch commits, or ``within_s`` seconds."""
@@ -139,14 +152,23 @@ class Signals:
                 await event.wait()
 
     def deliver(self, payload: str) -> None:
-        """A notification on ``CHANNEL``."""
-        what, _, pool_id = payload.partition(":")
+        """A notification on ``CHANNEL``: ``queued:<pool>``, or ``placed:<pool>:<id>,…``."""
+        what, _, rest = payload.partition(":")
         if what == "queued":
-            self.queued(pool_id)
-        elif what == "placed" and pool_id not in self._holding:
-            # While this process holds the lease, a batch of the pool can only be its own,
-            # already handed over with its views.
-            self.placed(pool_id, here=False)
+            self.queued(rest)
+        elif what == "placed":
+            pool_id, named, ids = rest.rpartition(":")
+            if not named:  # no ids: a replica that does not say what it decided
+                pool_id, ids = rest, ""
+            if pool_id in self._holding:
+                # While this process holds the lease, a batch of the pool can only be its own,
+                # already handed over with its views.
+                return
+            if named:
+                self.placed(pool_id, elsewhere=[rid for rid in ids.split(",") if rid])
+            else:
+                self._elsewhere[pool_id] = self._elsewhere.get(pool_id, 0) + 1
+                self.placed(pool_id)
 
 
 class PoolPlacer:

@@ -479,27 +479,31 @@ class ReservationService:
         returns the last read (not an error).
 
         A committed batch of the reservation's pool (``Signals.placed``) cuts a pause short, so
-        a queued reservation is answered as soon as its batch placed it: a batch of this
-        process hands its view over, one of another replica sends it to read. A batch of this
-        process that did not take it costs no read; the back-off's reads go on regardless.
+        a queued reservation is answered as soon as its batch decided it: a batch of this
+        process hands its view over, one of another replica that names it sends it to read. A
+        batch that did not take it costs no read; the back-off's reads go on regardless.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         delay = 0.05
         read_at = loop.time() + delay
-        pool = view["poolId"]
-        with self.signals.watching(view["id"]) as handed:
+        pool, rid = view["poolId"], view["id"]
+        with self.signals.watching(rid) as handed:
             while view["operation"]["state"] == "running" and loop.time() < deadline:
-                elsewhere = self.signals.batches_elsewhere(pool)
+                unnamed = self.signals.unnamed_batches(pool)
                 next_read = min(read_at, deadline)
                 await self.signals.wait_placed(pool, within_s=next_read - loop.time())
                 given = handed()
                 if given is not None:
                     view = _reservation(given)
                     continue
-                if loop.time() < next_read and self.signals.batches_elsewhere(pool) == elsewhere:
-                    continue  # a batch of this process, without it: nothing new to read
-                view = await self._view(view["id"])
+                if (
+                    loop.time() < next_read
+                    and not self.signals.decided_elsewhere(rid)
+                    and self.signals.unnamed_batches(pool) == unnamed
+                ):
+                    continue  # a batch that did not take it: nothing new to read
+                view = await self._view(rid)
                 delay = min(delay * 2, 1.0)
                 read_at = loop.time() + delay
         return view

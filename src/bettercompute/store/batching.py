@@ -96,7 +96,7 @@ class Batch:
 
     placed: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
-    #: The placed reservations' views as the batch committed them (``store.views``).
+    #: The views of the reservations it decided (placed or left pending), as it committed them.
     views: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -326,18 +326,41 @@ async def _place_batch(
                     first=not row["requeued"],
                 )
             )
-        # Waiters on every replica learn the batch committed (service/batching.py); those in
-        # this process get the placed reservations as they now read, without a read of their own.
+        # Waiters on every replica learn what the batch decided (service/batching.py): those in
+        # this process get the reservations as they now read, without a read of their own;
+        # those elsewhere read only the ones named in the notifications.
+        decided = done.placed + done.pending
         async with conn.pipeline():
-            await conn.execute("SELECT pg_notify('compute_placer', %s)", (f"placed:{pool_id}",))
-            placed_rows = await (
+            for payload in placed_payloads(pool_id, decided):
+                await conn.execute("SELECT pg_notify('compute_placer', %s)", (payload,))
+            decided_rows = await (
                 await conn.execute(
                     f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = ANY(%s)",
-                    (done.placed,),
+                    (decided,),
                 )
             ).fetchall()
-        done.views.update({row["id"]: views.to_view(row) for row in placed_rows})
+        done.views.update({row["id"]: views.to_view(row) for row in decided_rows})
         return done
+
+
+#: Room for reservation ids in one notification (PostgreSQL's payload limit is 8,000 bytes).
+_PAYLOAD_ROOM = 7_000
+
+
+def placed_payloads(pool_id: str, decided: Sequence[str]) -> list[str]:
+    """``placed:<pool>:<id>,<id>,…``: what a batch decided, in as many notifications as its ids
+    need (one at least). ``service.batching.Signals.deliver`` reads them."""
+    payloads: list[str] = []
+    chunk: list[str] = []
+    size = 0
+    for rid in decided:
+        if chunk and size + len(rid) + 1 > _PAYLOAD_ROOM:
+            payloads.append(f"placed:{pool_id}:{','.join(chunk)}")
+            chunk, size = [], 0
+        chunk.append(rid)
+        size += len(rid) + 1
+    payloads.append(f"placed:{pool_id}:{','.join(chunk)}")
+    return payloads
 
 
 async def _booked(
