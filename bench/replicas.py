@@ -8,7 +8,9 @@ replica runs them all; two replicas run half each, starting at the same moment. 
 waits until its batch placed it), each replica in windows of its own so nothing collides.
 
 It prints creates/s, p50 and p99 for each, and the ratio two/one, per placer: two replicas on
-one database must not do worse than one.
+one database must not do worse than one. With ``--rounds N`` it measures one, two, one, two …
+N times each, so a machine whose speed drifts within the minute weighs on both alike, and the
+ratio is of the medians.
 
 ``--db-cpus N`` keeps the embedded PostgreSQL on the last N CPUs and the replicas on the others,
 as when the database runs on machines of its own. Why: on a small machine shared by both, a
@@ -16,7 +18,7 @@ second replica process can take CPU the database needed, and the ratio then meas
 starvation rather than what two replicas cost each other (pool locks, leases, notifications).
 
     .venv/bin/python bench/replicas.py [--seconds 10] [--callers 32] [--placer both]
-        [--db-cpus N]
+        [--db-cpus N] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
+import statistics
 import time
 
 import psutil
@@ -183,7 +186,12 @@ def main() -> None:
         default=0,
         help="keep the embedded PostgreSQL on this many CPUs, the replicas on the rest (0: shared)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="one and two replicas, alternated this many times"
+    )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.callers < 2 or args.callers % 2:
         parser.error("--callers must be even and at least 2: two replicas take half each")
     placers = list(PLACER_POOLS) if args.placer == "both" else [args.placer]
@@ -207,28 +215,33 @@ def main() -> None:
             round_ = 0
             for placer in placers:
                 pool_id = next(iter(PLACER_POOLS[placer]))  # the devices-only pool
-                rates: dict[int, float] = {}
-                for replicas in (1, 2):
-                    rate, latencies = measure(
-                        pool,
-                        dsn,
-                        replicas=replicas,
-                        round_=round_,
-                        pool_id=pool_id,
-                        callers=args.callers,
-                        seconds=args.seconds,
-                        capacity=capacity,
-                        base_ms=base_ms,
-                        pool_lease=placer == "pool-lease",
-                    )
-                    round_ += 1
-                    rates[replicas] = rate
-                    print(
-                        f"{placer:>10} {replicas:>8} {rate:>10.0f} {pct(latencies, 50):>8.2f}"
-                        f" {pct(latencies, 99):>8.2f}",
-                        flush=True,
-                    )
-                print(f"{placer:>10} two replicas / one = {rates[2] / rates[1]:.2f}")
+                rates: dict[int, list[float]] = {1: [], 2: []}
+                for _ in range(args.rounds):
+                    for replicas in (1, 2):
+                        rate, latencies = measure(
+                            pool,
+                            dsn,
+                            replicas=replicas,
+                            round_=round_,
+                            pool_id=pool_id,
+                            callers=args.callers,
+                            seconds=args.seconds,
+                            capacity=capacity,
+                            base_ms=base_ms,
+                            pool_lease=placer == "pool-lease",
+                        )
+                        round_ += 1
+                        rates[replicas].append(rate)
+                        print(
+                            f"{placer:>10} {replicas:>8} {rate:>10.0f}"
+                            f" {pct(latencies, 50):>8.2f} {pct(latencies, 99):>8.2f}",
+                            flush=True,
+                        )
+                one, two = statistics.median(rates[1]), statistics.median(rates[2])
+                print(
+                    f"{placer:>10} two replicas / one = {two / one:.2f}"
+                    f" (medians {two:.0f} / {one:.0f} creates/s over {args.rounds} round(s))"
+                )
     finally:
         if server is not None:
             server.stop()
