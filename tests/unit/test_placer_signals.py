@@ -64,13 +64,14 @@ def test_a_batchs_ids_are_split_over_notifications_that_fit() -> None:
 async def test_the_echo_of_a_batch_here_is_ignored_while_this_process_holds_the_pool() -> None:
     signals = Signals()
     signals.holding(["pool_a"])
-    waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=0.2))
-    await asyncio.sleep(0)
-    signals.deliver("placed:pool_a:rsv_a")  # our own batch's notification, come back
-    await asyncio.sleep(0.05)
-    assert not waiter.done()  # no wake-up: the batch already woke its waiters with views
-    assert not signals.decided_elsewhere("rsv_a")
-    await waiter
+    with signals.watching("rsv_a"):
+        waiter = asyncio.create_task(signals.wait_placed("pool_a", within_s=10))
+        await asyncio.sleep(0)
+        signals.deliver("placed:pool_a:rsv_a")  # our own batch's notification, come back
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # no wake-up: the batch already woke its waiters with views
+        assert not signals.decided_elsewhere("rsv_a")
+        waiter.cancel()
 
     # Once the lease is gone, a batch of the pool can only be another replica's.
     signals.holding([])
