@@ -15,15 +15,16 @@ process (``Signals.queued``), a ``queued:<pool>`` notification from any replica,
 notification costs at most that long. A full batch (``maxBatch``) is followed by the next at
 once.
 
-``Signals`` also carries the other direction: a committed batch (here, or ``placed:<pool>`` from
-another replica) wakes the requests waiting on that pool (``ReservationService._wait``), so a
-``wait`` returns as soon as its reservation was placed (or left pending). A batch of this
-process hands its waiters their views, so a waiter it did not take reads nothing; a batch of
-another replica names what it decided (``placed:<pool>:<id>,…``), and only those waiters read.
-Without that, every batch would cost one read per waiting request, however few it decided. A
-notification without ids (from a replica of an earlier version) sends every waiter of the pool
-to read. The notification of a batch of this process comes back to it too; while this process
-holds the pool's lease it is that echo (no other replica can place the pool) and is ignored.
+``Signals`` also carries the other direction: a committed batch (here, or
+``placed:<pool>:<ids>`` from another replica) wakes the requests waiting on that pool
+(``ReservationService._wait``), so a ``wait`` returns as soon as its reservation was placed
+(or left pending). A batch of this process hands its waiters their views, so a waiter it did
+not take reads nothing; a batch of another replica names what it decided, and only those
+waiters read. Without that, every batch would cost one read per waiting request, however few
+it decided. A notification without ids (from a replica of an earlier version) sends every
+waiter of the pool to read. The notification of a batch of this process comes back to it too;
+while this process holds the pool's lease it is that echo (no other replica can place the
+pool) and is ignored.
 
 What it must never do: end on a store error (it logs, waits and tries again, like the
 reconciler), or place a pool whose lease it does not hold (the batch checks it, under the pool
@@ -73,7 +74,7 @@ class Signals:
         # Pool id -> batches of other replicas that did not say what they decided; the waited
         # on reservations another replica's batch decided (to read); the pools whose lease this
         # process's placer holds.
-        self._elsewhere: dict[str, int] = {}
+        self._unnamed: dict[str, int] = {}
         self._decided_elsewhere: set[str] = set()
         self._holding: frozenset[str] = frozenset()
 
@@ -112,7 +113,7 @@ class Signals:
     def unnamed_batches(self, pool_id: str) -> int:
         """How many batches of ``pool_id`` other replicas committed without saying what they
         decided (a waiter compares it before and after a wake-up: changed, it must read)."""
-        return self._elsewhere.get(pool_id, 0)
+        return self._unnamed.get(pool_id, 0)
 
     def decided_elsewhere(self, reservation_id: str) -> bool:
         """Whether another replica's batch decided ``reservation_id`` since last asked."""
@@ -167,7 +168,7 @@ class Signals:
             if named:
                 self.placed(pool_id, elsewhere=[rid for rid in ids.split(",") if rid])
             else:
-                self._elsewhere[pool_id] = self._elsewhere.get(pool_id, 0) + 1
+                self._unnamed[pool_id] = self._unnamed.get(pool_id, 0) + 1
                 self.placed(pool_id)
 
 
