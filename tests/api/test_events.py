@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import jsonschema
 from httpx_sse import aconnect_sse
 
 from tests.api.conftest import Api, create_body
@@ -118,3 +119,22 @@ async def test_a_bad_request_is_refused_before_the_stream(api: Api):
     )
     assert bad.status_code == 400
     assert bad.json()["error"]["details"]["field"] == "Last-Event-ID"
+
+
+async def test_the_openapi_document_says_what_the_server_accepts_as_tenant_id(api: Api):
+    # The document once allowed an empty tenantId the server refuses: each value is valid by
+    # the document's schema exactly when the server does not refuse it as the tenantId.
+    doc = (await api.client.get("/api/compute/openapi.json")).json()
+    parameters = doc["paths"][PATH]["get"]["parameters"]
+    schema = next(p for p in parameters if p["name"] == "tenantId")["schema"]
+    alice = {"Authorization": "Bearer token-of-alice"}
+    for value in ("", "acme"):
+        valid = jsonschema.Draft202012Validator(schema).is_valid(value)
+        async with api.client.stream(
+            "GET", PATH, params={"tenantId": value}, headers=alice
+        ) as response:
+            refused = response.status_code == 400
+            if refused:
+                await response.aread()
+                assert response.json()["error"]["details"]["field"] == "tenantId"
+        assert valid is not refused, (value, schema, response.status_code)

@@ -265,7 +265,13 @@ def _events_watch() -> dict[str, Any]:
             "tags": ["events"],
             "security": [{"bearer": []}],
             "parameters": [
-                {"name": "tenantId", "in": "query", "required": True, "schema": {"type": "string"}},
+                # Not empty: the server refuses an empty tenantId (INVALID_INPUT, field tenantId).
+                {
+                    "name": "tenantId",
+                    "in": "query",
+                    "required": True,
+                    "schema": {"type": "string", "minLength": 1},
+                },
                 {
                     "name": "after",
                     "in": "query",
