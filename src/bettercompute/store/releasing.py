@@ -2,8 +2,8 @@
 
 A release truncates the current booking at ``compute_now()``, drops future ones, refunds quota
 and hands allocations to their nodes; a ``kubernetes`` allocation the node has bound stays
-booked (in 5-minute steps, for at most 24 hours) until the node reports its devices free.
-Never decides policy: the service asks before it calls.
+booked (in 5-minute steps, for at most 24 hours) until the node reports its devices free; at
+24 hours the release ends without it. Never decides policy: the service asks before it calls.
 """
 
 from __future__ import annotations
@@ -98,16 +98,68 @@ async def finish(
 
 async def carry_held(conn: Conn, row: Row) -> None:
     """A released ``kubernetes`` reservation whose node has not confirmed the release: carry the
-    booking of its still-releasing allocations another 5 minutes, up to 24 hours."""
+    booking of its still-releasing allocations another 5 minutes, up to 24 hours.
+
+    At 24 hours the release ends as the node's ``AllocationReleased`` would end it: the
+    allocation is ``released``, its booking ends now at the latest, and ``DevicesHeld`` is gone.
+    Why: a node that never confirms (gone, or pods that never stop) must not keep the devices
+    booked and the condition shown forever. The next wake-up is kept while any allocation is
+    still releasing, even when a booking could not be carried (another starts first), so the
+    cap is always reached.
+    """
+    rid = row["id"]
     now = await clock.current_time(conn)
-    if await _carry(
+    await _carry(
         conn,
-        reservation_id=row["id"],
+        reservation_id=rid,
         states_=("releasing",),
         until=now + HELD_STEP,
         since_after=now - HELD_LIMIT,
-    ):
-        await journal.wake(conn, reservation_id=row["id"], at=now + HELD_STEP, why="devices-held")
+    )
+    ended = await (
+        await conn.execute(
+            "UPDATE allocations SET state = 'released', updated_at = compute_now()"
+            " WHERE reservation_id = %s AND state = 'releasing' AND releasing_since <= %s"
+            " RETURNING id, node_id",
+            (rid, now - HELD_LIMIT),
+        )
+    ).fetchall()
+    if ended:
+        # As the node's AllocationReleased would end it (store/reports.py).
+        freed = [a["id"] for a in ended]
+        await conn.execute(
+            "DELETE FROM bookings WHERE allocation_id = ANY(%s) AND lower(during) >= %s",
+            (freed, now),
+        )
+        await conn.execute(
+            "UPDATE bookings SET during = tstzrange(lower(during), %s)"
+            " WHERE allocation_id = ANY(%s) AND upper(during) > %s",
+            (now, freed, now),
+        )
+        await journal.audit(
+            conn,
+            action="lifecycle",
+            outcome="devices-held-ended",
+            resource_id=rid,
+            tenant_id=row["tenant_id"],
+            context={
+                "reason": "the node did not confirm the release within 24 hours",
+                "allocations": freed,
+                "nodes": sorted({a["node_id"] for a in ended}),
+            },
+        )
+        await journal.wake_pending(conn, pool_id=row["pool_id"])
+    left = await (
+        await conn.execute(
+            "SELECT min(releasing_since) AS since FROM allocations"
+            " WHERE reservation_id = %s AND state = 'releasing'",
+            (rid,),
+        )
+    ).fetchone()
+    if left is not None and left["since"] is not None:
+        # The next step, or the cap if it comes first: the release ends exactly at 24 hours.
+        at = min(now + HELD_STEP, left["since"] + HELD_LIMIT)
+        await journal.wake(conn, reservation_id=rid, at=at, why="devices-held")
 
 
 async def _carry(

@@ -1,0 +1,125 @@
+"""Rules of the guide that an outside review could change with the whole suite still passing.
+
+Each test here fails when its rule is removed or changed (each was checked that way: the rule
+broken by hand, the test seen failing, the rule restored). Against the real PostgreSQL of the
+test session, through ``ReservationService`` as the API and the operator call it; business time
+moves with ``inventory.advance_clock`` and the reconciler is driven by hand.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from bettercompute.service.reservations import ReservationService
+from bettercompute.store import desired
+from bettercompute.store.database import Database
+from tests.conftest import caller
+from tests.store.test_lifecycle import (
+    activate,
+    advance,
+    allocations,
+    bookings,
+    create,
+    get,
+    k8s_world,
+    now,
+    report,
+    run,
+)
+
+HOUR = 3600.0
+
+
+def types(view: dict[str, Any]) -> list[str]:
+    return [c["type"] for c in view["conditions"]]
+
+
+async def wake_ups(db: Database, rid: str, why: str) -> list[dt.datetime]:
+    async with db.connection() as conn:
+        rows = await (
+            await conn.execute(
+                "SELECT due_at FROM work_queue WHERE reservation_id = %s AND why = %s"
+                " ORDER BY due_at",
+                (rid, why),
+            )
+        ).fetchall()
+    return [r["due_at"] for r in rows]
+
+
+# --- DevicesHeld: at most 24 hours ----------------------------------------------------------
+
+
+async def test_a_release_the_node_never_confirms_ends_at_24_hours(
+    db: Database, service: ReservationService
+) -> None:
+    """The guide: a release stuck past the end is carried in 5-minute steps "for at most 24
+    hours"; then it ends (as ``AllocationReleased`` would end it): the allocation is released,
+    its booking ends, ``DevicesHeld`` is gone and nothing wakes it again."""
+    await k8s_world(db, source="system")
+    view = await create(service, "held", count=8, duration="48h", binding="kubernetes")
+    rid = view["id"]
+    await activate(service, db, rid)
+    [alloc] = await allocations(db, rid)
+    await advance(db, 60)
+    released = await service.release(caller(), {"tenantId": "acme", "reservationId": rid})
+    assert "DevicesHeld" in types(released)
+    assert await report(service, alloc, "releasing", pods=["default/train-0"])
+
+    # A minute short of 24 hours the node still has not confirmed: still held and booked.
+    await advance(db, 23 * HOUR + 50 * 60)
+    await run(db)
+    await advance(db, 9 * 60)
+    await run(db)
+    at = await now(db)
+    assert "DevicesHeld" in types(await get(service, rid))
+    assert [a["state"] for a in await allocations(db, rid)] == ["releasing"]
+    assert all(b["end_at"] > at for b in await bookings(db, rid))
+    # The next wake-up is the cap itself, not a step past it.
+    [cap] = await wake_ups(db, rid, "devices-held")
+    assert dt.timedelta(0) < cap - at <= dt.timedelta(minutes=1, seconds=5)
+
+    await advance(db, 65)
+    await run(db)
+    done = await now(db)
+    view = await get(service, rid)
+    assert view["state"] == "released"
+    assert "DevicesHeld" not in types(view)
+    assert [a["state"] for a in await allocations(db, rid)] == ["released"]
+    booked = await bookings(db, rid)
+    assert booked
+    assert all(b["end_at"] <= done for b in booked)
+    assert await wake_ups(db, rid, "devices-held") == []
+    # The node is told nothing more about it, and its devices book again.
+    assert await desired.for_node(db, node_id=alloc["node_id"]) == []
+    again = await create(service, "after", count=8)
+    assert again["state"] == "placed"
+    # A late confirmation changes nothing.
+    assert not await report(service, alloc, "released")
+
+
+async def test_a_release_whose_booking_cannot_be_carried_still_ends_at_24_hours(
+    db: Database, service: ReservationService
+) -> None:
+    """A held booking is not carried over a booking that starts first; the release is still
+    woken until the cap ends it, so its condition cannot show forever."""
+    await k8s_world(db, source="system")
+    view = await create(service, "held", count=8, duration="2h", binding="kubernetes")
+    rid = view["id"]
+    await activate(service, db, rid)
+    await advance(db, 60)
+    await service.release(caller(), {"tenantId": "acme", "reservationId": rid})
+    # Another reservation books every device from just after the held step ends.
+    step_end = max(b["end_ms"] for b in await bookings(db, rid))
+    for key in ("next-1", "next-2"):
+        later = await create(service, key, count=8, start=step_end + 1_000, duration="30h")
+        assert later["state"] == "placed", later["conditions"]
+    await advance(db, 10 * 60)
+    await run(db)
+    assert "DevicesHeld" in types(await get(service, rid))
+    assert await wake_ups(db, rid, "devices-held")
+    await advance(db, 24 * HOUR)
+    for _ in range(2):
+        await run(db)
+    assert "DevicesHeld" not in types(await get(service, rid))
+    assert [a["state"] for a in await allocations(db, rid)] == ["released"]
