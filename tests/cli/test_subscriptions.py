@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.service.webhooks import Retries, WebhookDelivery
 from bettercompute.store.database import Database
 from tests.cli.conftest import Cli, Server, serve
@@ -96,7 +97,9 @@ async def test_deliveries_show_the_log(cli: Cli, server: Server, db: Database):
             "reserve", "--pool", "pool_a", "--gpus", "1", "--for", "1h", "-o", "json"
         )
         assert reserved.rc == 0, reserved
-        loop = WebhookDelivery(db, retries=Retries(base_s=0.05), poll_s=0.05)
+        loop = WebhookDelivery(
+            db, retries=Retries(base_s=0.05), egress=EgressPolicy.parse(["127.0.0.1"]), poll_s=0.05
+        )
         task = asyncio.create_task(loop.run())
         try:
             body = {"tenantId": "acme", "subscriptionId": sub["id"]}

@@ -362,3 +362,16 @@ def test_the_full_example_in_the_docs_loads(tmp_path: Path) -> None:
     assert len(loaded.policy_texts) == 3
     nodes = config.sim_nodes(loaded, sim=2)
     assert [n.name for n in nodes] == ["sim-h100-00", "sim-h100-01", "sim-a100-mig-00"]
+
+
+def test_webhook_deliveries_go_to_internal_addresses_only_when_allowed(tmp_path: Path) -> None:
+    plain = config.loads("tenants: [{id: acme}]\n", source=tmp_path / "dev.yaml")
+    assert plain.config.webhooks.policy().networks == ()
+    text = "webhooks:\n  allow: [127.0.0.1, 10.0.0.0/8, hooks.local]\n"
+    allowed = config.loads(text, source=tmp_path / "dev.yaml").config.webhooks.policy()
+    assert [str(n) for n in allowed.networks] == ["127.0.0.1/32", "10.0.0.0/8"]
+    assert allowed.hosts == {"hooks.local"}
+    with pytest.raises(ConfigError) as e:
+        config.loads("webhooks:\n  allow: [127.0.0.1, 'x/y']\n", source=tmp_path / "dev.yaml")
+    assert e.value.path == "webhooks.allow[1]"
+    assert e.value.line == 2

@@ -91,6 +91,13 @@ async def reserve(op: Operator, key: str, *, tenant: str = "acme") -> str:
 
 
 @pytest.fixture
+async def operator(start_operator: Callable[..., Any]) -> AsyncIterator[Operator]:
+    # The receivers listen on loopback: deliveries go there only because it is allowed.
+    async with start_operator(event_webhook_allow=("127.0.0.1",)) as op:
+        yield op
+
+
+@pytest.fixture
 async def two_tenants(kube_api: KubeApi, db: Database, operator: Operator) -> World:
     return await apply_world(kube_api, db, tenant_namespaces={"ml": "acme", "ops": "globex"})
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationError
 
 from bettercompute.core import validation
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError
 from bettercompute.core.pools import GpuModel, Id, Model, Offer, Pool, Quota
 from bettercompute.core.requests import MigProfile
@@ -116,6 +117,23 @@ class NodeSet(Model):
     namePrefix: NodePrefix | None = None
 
 
+def _egress_entry(value: str) -> str:
+    EgressPolicy.parse([value])  # ValueError: pydantic reports it at the entry's path
+    return value
+
+
+class Webhooks(Model):
+    """Event webhook deliveries: where they may go beyond global addresses (``core.egress``).
+    A receiver on this machine needs ``allow: [127.0.0.1]``."""
+
+    allow: list[Annotated[str, Field(min_length=1), AfterValidator(_egress_entry)]] = Field(
+        default_factory=list
+    )
+
+    def policy(self) -> EgressPolicy:
+        return EgressPolicy.parse(self.allow)
+
+
 class DevConfig(Model):
     tenants: list[Tenant] = Field(default_factory=list)
     identities: list[Identity] = Field(default_factory=list)
@@ -127,6 +145,7 @@ class DevConfig(Model):
     defaultPolicies: bool = True
     policies: list[PolicyItem] = Field(default_factory=list)
     nodes: list[NodeSet] | None = None
+    webhooks: Webhooks = Field(default_factory=Webhooks)
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,8 @@ async def started(
         placer = PoolPlacer(db, signals=service.signals)
         tasks.append(supervising.restarting(placer.run, name="placer"))
         tasks.append(supervising.restarting(Collector(db).run, name="collector"))
-        tasks.append(supervising.restarting(WebhookDelivery(db).run, name="webhooks"))
+        delivery = WebhookDelivery(db, egress=loaded.config.webhooks.policy())
+        tasks.append(supervising.restarting(delivery.run, name="webhooks"))
         node_service = NodeService(db)
         agents: dict[str, Converger] = {}
         for node in nodes:

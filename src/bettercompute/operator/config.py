@@ -85,3 +85,7 @@ class OperatorConfig:
     node_ca_create: bool = True
     #: How long after its expiry a node certificate still counts (a node offline for a while).
     node_certificate_grace_s: float = 3600.0
+    #: Where event webhooks may be delivered beyond global addresses: CIDRs, addresses and
+    #: host names (``core.egress``); loopback, private and link-local addresses are refused
+    #: unless listed here, the cloud metadata addresses always.
+    event_webhook_allow: tuple[str, ...] = ()

@@ -35,6 +35,7 @@ from bettercompute import logformat, supervising
 from bettercompute.api import serving
 from bettercompute.api.app import METRICS, make_app
 from bettercompute.core.attestation import Attestation
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.ports import PolicyEngine
 from bettercompute.iam import policies
@@ -201,6 +202,10 @@ async def started(
     takes them for itself when it starts and would swallow the second one.
     """
     engine = policy or policy_engine(config)
+    try:
+        egress = EgressPolicy.parse(config.event_webhook_allow)
+    except ValueError as e:
+        raise OperatorError(f"--event-webhook-allow: {e}") from None
     connection = connection_info(config)
     try:
         kube = KubeClient(from_kopf(connection, token_file=service_account_token(config)))
@@ -283,7 +288,8 @@ async def started(
         tasks.append(supervising.restarting(allocations.run, name="allocations"))
         events = EventDelivery(db, subscriber="operator-events", handler=projector.announce)
         tasks.append(supervising.restarting(events.run, name="events"))
-        tasks.append(supervising.restarting(WebhookDelivery(db).run, name="webhooks"))
+        delivery = WebhookDelivery(db, egress=egress)
+        tasks.append(supervising.restarting(delivery.run, name="webhooks"))
         kept: webhookcerts.WebhookCertificates | None = None
         if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
             # Ends on purpose, so that the process restarts with the new certificate.
@@ -588,6 +594,15 @@ def run(
             "must exist, e.g. issued by cert-manager).",
         ),
     ] = True,
+    event_webhook_allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--event-webhook-allow",
+            envvar="BCD_EVENT_WEBHOOK_ALLOW",
+            help="A CIDR, address or host name event webhooks may be delivered to beyond "
+            "global addresses (repeat; the variable takes entries separated by spaces).",
+        ),
+    ] = None,
     log_format: Annotated[
         str,
         typer.Option(
@@ -634,6 +649,7 @@ def run(
         node_ca_create=node_ca_create,
         node_certificates=node_certificates,
         pool_status_s=pool_status_s,
+        event_webhook_allow=tuple(event_webhook_allow or ()),
     )
     try:
         asyncio.run(_serve(config))

@@ -14,12 +14,20 @@ its first attempt, then it is ``dead`` and stays in the delivery log. Within one
 reservation's events go in order: one waits while an earlier one of the same reservation is
 pending (``store/subscriptions.py`` claims only the earliest).
 
+A subscription's URL is a tenant's, so every connection goes through ``service.egress``: only
+to addresses ``core.egress`` allows (global ones, and the operator's allowlist), checked after
+DNS resolution at each attempt, no redirects followed. The delivery log says what the receiver
+answered (its status) or a generic text (``UNREACHABLE``, a timeout), never why a connection
+failed, which address was tried or which port: that would map the cluster's network for
+whoever subscribes.
+
 The functions at the end are what the operator's ``EventSubscription`` objects need beside
 the API's create and delete (``operator/subscribing.py``): an update in place, the
 subscriptions an object made, and the delivery log in figures.
 
 What it must never do: end on a store error or on a receiver's failure (it logs, waits and goes
-on), send a delivery that is not claimed, or put the secret anywhere but the HMAC key.
+on), send a delivery that is not claimed, put the secret anywhere but the HMAC key, connect
+to an address the egress policy refuses, or put network details in the delivery log.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ import httpx
 
 from bettercompute import supervising
 from bettercompute.core import answers, requests
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import StoreError
+from bettercompute.service import egress
 from bettercompute.store import listening, subscriptions
 from bettercompute.store.database import Database
 
@@ -52,6 +62,9 @@ EVENT_HEADER = "X-Better-Compute-Event"
 DELIVERY_HEADER = "X-Better-Compute-Delivery"
 TIMESTAMP_HEADER = "X-Better-Compute-Timestamp"
 SIGNATURE_HEADER = "X-Better-Compute-Signature"
+#: The delivery log's error for every attempt that reached no receiver: refused, unresolvable,
+#: not allowed by the egress policy, or no connection within the timeout.
+UNREACHABLE = "the receiver could not be reached"
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -90,12 +103,15 @@ class WebhookDelivery:
         db: Database,
         *,
         retries: Retries | None = None,
+        egress: EgressPolicy | None = None,
         timeout_s: float = 10.0,
         poll_s: float = 5.0,
         batch: int = 50,
     ):
         self.db = db
         self.retries = retries or Retries()
+        # Global addresses only, unless the operator allowed more (``core.egress``).
+        self.egress = egress or EgressPolicy()
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.batch = batch
@@ -147,10 +163,21 @@ class WebhookDelivery:
                 )
                 return
             error = f"HTTP {status}"
+            if response.is_redirect:
+                error += ": redirects are not followed"
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            # Refused, unresolvable, blocked by the egress policy or silent: one text for all,
+            # so the log never tells a tenant which internal ports are open (``service.egress``
+            # logs the details for the operator).
+            log.info("webhook delivery to %s: cannot connect: %s", due.subscription_id, e)
+            error = UNREACHABLE
+        except httpx.TimeoutException:
+            error = f"no answer within {self.timeout_s:g} seconds"
         except httpx.HTTPError as e:
-            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        except ValueError as e:  # a URL httpx cannot send to
-            error = f"{type(e).__name__}: {e}"
+            log.info("webhook delivery to %s failed: %r", due.subscription_id, e)
+            error = "the receiver did not send a valid HTTP answer"
+        except ValueError:  # a URL httpx cannot send to
+            error = "the URL cannot be sent to"
         state = await subscriptions.failed(
             self.db,
             subscription_id=due.subscription_id,
@@ -178,7 +205,7 @@ class WebhookDelivery:
         backoff = supervising.Backoff()
         failing = ""
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            async with egress.client(self.egress, timeout_s=self.timeout_s) as client:
                 while True:
                     self._wake.clear()
                     try:
