@@ -8,13 +8,18 @@ moves with ``inventory.advance_clock`` and the reconciler is driven by hand.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import itertools
+import time
 from typing import Any
 
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired
 from bettercompute.store.database import Database
 from tests.conftest import caller
+from tests.store.test_admission import create_input
+from tests.store.test_batching import lease_world
 from tests.store.test_lifecycle import (
     activate,
     advance,
@@ -27,6 +32,7 @@ from tests.store.test_lifecycle import (
     report,
     run,
 )
+from tests.support.placers import placers
 
 HOUR = 3600.0
 
@@ -123,3 +129,60 @@ async def test_a_release_whose_booking_cannot_be_carried_still_ends_at_24_hours(
         await run(db)
     assert "DevicesHeld" not in types(await get(service, rid))
     assert [a["state"] for a in await allocations(db, rid)] == ["released"]
+
+
+# --- wait: 50 ms → 1 s, and a repeated key waits too ---------------------------------------
+
+
+async def test_wait_reads_back_off_from_50_ms_doubling_to_1_s(
+    db: Database, service: ReservationService
+) -> None:
+    """The guide: the server re-reads "backing off from 50 ms to 1 s". Nothing places the
+    queued reservation (no placer runs), so every read is the back-off's. Each read takes a
+    pooled connection: the pool's own statistics time them."""
+    await lease_world(db)
+    counted = int(db.pool.get_stats().get("requests_num", 0))
+    moments: list[float] = []
+    task = asyncio.create_task(
+        service.create(caller(), {**create_input(), "wait": {"timeoutMs": 5_000}})
+    )
+    while not task.done():
+        seen = int(db.pool.get_stats().get("requests_num", 0))
+        if seen != counted:
+            moments.append(time.monotonic())
+            counted = seen
+        await asyncio.sleep(0.002)
+    view = task.result()
+    assert view["operation"]["state"] == "running"
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(moments)]
+    # Admission's own connections come a few milliseconds apart; the reads are further apart.
+    waits = [g for g in gaps if g >= 0.03]
+
+    def near(seconds: float, low: float, high: float) -> int:
+        return sum(1 for g in waits if seconds * low <= g <= seconds * high)
+
+    assert near(0.1, 0.7, 1.45) >= 1, gaps  # 50 ms, doubled
+    assert near(0.2, 0.85, 1.4) >= 1, gaps
+    assert near(0.4, 0.9, 1.3) >= 1, gaps
+    assert near(0.8, 0.9, 1.2) >= 1, gaps
+    assert near(1.0, 0.95, 1.25) >= 3, gaps  # then 1 s, not more
+    assert max(waits) <= 1.25, gaps
+
+
+async def test_a_repeated_key_waits_as_the_first_create_would(
+    db: Database, service: ReservationService
+) -> None:
+    """The guide: after transaction 2 commits "(or a repeated key returns the stored
+    reservation)", the server waits. A retry with the same key and a ``wait`` is answered
+    placed once the batch placed it, not queued at once."""
+    await lease_world(db)
+    first = await service.create(caller(), create_input())
+    assert first["operation"]["state"] == "running"
+    async with placers(db, [service], renew_s=0.2):
+        started = time.monotonic()
+        again = await service.create(caller(), {**create_input(), "wait": {"timeoutMs": 20_000}})
+        took = time.monotonic() - started
+    assert again["id"] == first["id"]
+    assert again["state"] == "placed", again["conditions"]
+    assert again["operation"]["state"] == "succeeded"
+    assert took < 10, took

@@ -153,13 +153,48 @@ def _handler(op: operations.Operation) -> Handler:
         _check_csrf_header(request)
         caller = await _authenticate(request)
         body = await _json_body(request)
-        serve: Callable[[ports.Caller, Any], Awaitable[operations.Answer]]
-        serve = getattr(request.app[SERVICE], op.method)
-        data = await serve(caller, body)
+        if op.method == "create" and isinstance(body, dict) and body.get("wait") is not None:
+            data: operations.Answer = await _create_waiting(request, caller, body)
+        else:
+            serve: Callable[[ports.Caller, Any], Awaitable[operations.Answer]]
+            serve = getattr(request.app[SERVICE], op.method)
+            data = await serve(caller, body)
         request[_OUTCOME_KEY] = operations.outcome(op, data)
         return web.json_response({"data": data}, dumps=json.dumps)
 
     return handle
+
+
+#: How often a waiting create looks whether its client is still connected.
+CLIENT_CHECK_S = 0.05
+
+
+async def _create_waiting(
+    request: web.Request, caller: ports.Caller, body: dict[str, Any]
+) -> operations.Answer:
+    """A create with ``wait``: the wait ends when the client goes away.
+
+    Why: aiohttp keeps a handler running after its client disconnects (no handler
+    cancellation), and an abandoned wait would go on reading the database for up to 30 s. The
+    transport gives no callback on close, so it is looked at every ``CLIENT_CHECK_S``; the
+    service then stops waiting and reads nothing more. Admission itself is not cut short: a
+    create that reached the database completes, as a retry with the same key would find it.
+    """
+    aborted = asyncio.Event()
+
+    async def watch() -> None:
+        # Polled: the transport has no close callback to wait on.
+        while True:
+            if _gone(request):
+                aborted.set()
+                return
+            await asyncio.sleep(CLIENT_CHECK_S)
+
+    watcher = asyncio.create_task(watch(), name="create-wait-client")
+    try:
+        return await request.app[SERVICE].create(caller, body, aborted=aborted)
+    finally:
+        watcher.cancel()
 
 
 def _check_csrf_header(request: web.Request) -> None:

@@ -204,7 +204,15 @@ class ReservationService:
 
     # --- create ----------------------------------------------------------------------------
 
-    async def create(self, caller: ports.Caller, data: Mapping[str, Any]) -> answers.Reservation:
+    async def create(
+        self,
+        caller: ports.Caller,
+        data: Mapping[str, Any],
+        *,
+        aborted: asyncio.Event | None = None,
+    ) -> answers.Reservation:
+        """``reservations.create``; a ``wait`` also ends when ``aborted`` is set (the HTTP
+        door sets it when the client goes away), answering the last read without another."""
         value = requests.parse(requests.CreateInput, data)
         self._precheck(caller, value.tenantId)
         if value.binding == "instance":
@@ -219,7 +227,7 @@ class ReservationService:
         rid = ids.draft_id(value.tenantId, caller.identity_id, value.idempotencyKey)
         view = await self._admit_single_flight(caller, value, request, request_hash, rid)
         if value.wait is not None:
-            view = await self._wait(view, timeout_ms=value.wait.timeoutMs)
+            view = await self._wait(view, timeout_ms=value.wait.timeoutMs, aborted=aborted)
         return view
 
     async def _admit_single_flight(
@@ -474,9 +482,17 @@ class ReservationService:
             raise budgets.spend_limit_reached(verdict)
         return gpu_hours if self.budget.ledger_in_store else None
 
-    async def _wait(self, view: answers.Reservation, *, timeout_ms: int) -> answers.Reservation:
+    async def _wait(
+        self,
+        view: answers.Reservation,
+        *,
+        timeout_ms: int,
+        aborted: asyncio.Event | None = None,
+    ) -> answers.Reservation:
         """Re-read until the operation stops running, backing off 50 ms → 1 s; a timeout
-        returns the last read (not an error).
+        returns the last read (not an error), and so does the request being aborted
+        (``aborted`` set): from then on nothing is read, so an abandoned wait costs the
+        database nothing.
 
         A committed batch of the reservation's pool (``Signals.placed``) cuts a pause short, so
         a queued reservation is answered as soon as its batch decided it: a batch of this
@@ -492,7 +508,9 @@ class ReservationService:
             while view["operation"]["state"] == "running" and loop.time() < deadline:
                 unnamed = self.signals.unnamed_batches(pool)
                 next_read = min(read_at, deadline)
-                await self.signals.wait_placed(pool, within_s=next_read - loop.time())
+                await self._pause(pool, within_s=next_read - loop.time(), aborted=aborted)
+                if aborted is not None and aborted.is_set():
+                    break
                 given = handed()
                 if given is not None:
                     view = _reservation(given)
@@ -507,6 +525,21 @@ class ReservationService:
                 delay = min(delay * 2, 1.0)
                 read_at = loop.time() + delay
         return view
+
+    async def _pause(self, pool: str, *, within_s: float, aborted: asyncio.Event | None) -> None:
+        """Until the pool's next batch commits, ``within_s`` passes, or ``aborted`` is set."""
+        if aborted is None:
+            await self.signals.wait_placed(pool, within_s=within_s)
+            return
+        if aborted.is_set():
+            return
+        placed = asyncio.ensure_future(self.signals.wait_placed(pool, within_s=within_s))
+        gone = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({placed, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            placed.cancel()
+            gone.cancel()
 
     async def _view(self, rid: str) -> answers.Reservation:
         view = await views.get(self.db, rid)
