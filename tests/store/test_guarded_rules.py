@@ -14,12 +14,18 @@ import itertools
 import time
 from typing import Any
 
+import psycopg.errors
+import pytest
+
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired
 from bettercompute.store.database import Database
 from tests.conftest import caller
 from tests.store.test_admission import create_input
 from tests.store.test_batching import lease_world
+from tests.store.test_host_resources import HOST
+from tests.store.test_host_resources import create as host_create
+from tests.store.test_host_resources import world as host_world
 from tests.store.test_lifecycle import (
     activate,
     advance,
@@ -186,3 +192,53 @@ async def test_a_repeated_key_waits_as_the_first_create_would(
     assert again["state"] == "placed", again["conditions"]
     assert again["operation"]["state"] == "succeeded"
     assert took < 10, took
+
+
+# --- host CPUs: the reserve is the lowest non-isolated, and the guard counts it -------------
+
+
+async def test_the_nodes_reserved_cpus_are_its_lowest_non_isolated(
+    db: Database, service: ReservationService
+) -> None:
+    """The node's inventory lists its isolated CPUs; the host keeps its lowest two others, so a
+    cpuset near NUMA node 0 is CPUs 0-31 less 4-5 (0-3 being isolated)."""
+    await host_world(db, nodes=1, host={**HOST, "isolatedCpus": "0-3"}, quotas={"vcpu": 10_000})
+    view = await host_create(service, "isolated", gpus=2, resources={"vcpu": 16})
+    await activate(service, db, view["id"])
+    [alloc] = await allocations(db, view["id"])
+    [wanted] = await desired.for_node(db, node_id=alloc["node_id"])
+    assert wanted["limits"]["cpus"] == "0-3,6-31"
+
+
+async def test_the_database_guard_counts_the_hosts_reserved_cpus(
+    db: Database, service: ReservationService
+) -> None:
+    """``bc_check_hosts`` is the last word on host CPUs: a host of 64 that keeps 2 gives 62,
+    so 63 booked by hand around the placer is refused, and 62 is not."""
+    await host_world(db, nodes=1, quotas={"vcpu": 10_000})
+    view = await host_create(service, "first", resources={"vcpu": 40})
+    [alloc] = await allocations(db, view["id"])
+
+    async def book(vcpu: int) -> None:
+        async with db.transaction() as conn:
+            await conn.execute(
+                "UPDATE bookings SET host_vcpu = %s WHERE allocation_id = %s AND host_vcpu > 0",
+                (vcpu, alloc["id"]),
+            )
+            await conn.execute(
+                "SELECT bc_check_hosts(pool_id, ARRAY[%s], lower(during), upper(during))"
+                " FROM reservations WHERE id = %s",
+                (alloc["node_id"], view["id"]),
+            )
+
+    with pytest.raises(psycopg.errors.ExclusionViolation, match="would give more than it has"):
+        await book(63)
+    await book(62)
+    # The pool's own reserve counts, not the default's.
+    async with db.connection() as conn:
+        await conn.execute(
+            'UPDATE pools SET policy = policy || \'{"hostReserve": {"vcpu": 10}}\''
+            " WHERE id = 'pool_h'"
+        )
+    with pytest.raises(psycopg.errors.ExclusionViolation, match="would give more than it has"):
+        await book(55)

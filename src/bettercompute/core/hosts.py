@@ -175,11 +175,15 @@ def limits(
     numa_nodes: list[Mapping[str, Any]] | None,
     device_numa: set[int],
     reserve_vcpu: int,
+    isolated_cpus: str | None = None,
 ) -> dict[str, Any] | None:
     """An allocation's limits on its node from what it booked (``None`` when it booked none):
     ``cpuMillis``, ``memoryBytes``, ``hugepages1Gi``, and a cpuset on the NUMA nodes of its
     devices when those have enough CPUs (``cpus``) or memory (``mems``). The host's reserved
-    CPUs (its lowest ``reserve_vcpu``) are never in a cpuset."""
+    CPUs (its lowest ``reserve_vcpu`` that are not isolated, ``isolated_cpus`` being the
+    inventory's cpulist) are never in a cpuset: the host's own work cannot run on an isolated
+    CPU (the kernel keeps its scheduler off them), so reserving one would leave the host
+    short and hand a workload's CPU to nobody."""
     if not (vcpu or memory_gib or hugepages_1gi):
         return None
     out: dict[str, Any] = {
@@ -189,7 +193,11 @@ def limits(
     }
     nodes = [n for n in numa_nodes or () if isinstance(n, Mapping) and isinstance(n.get("id"), int)]
     cpus_of = {int(n["id"]): parse_cpulist(_text(n.get("cpus"))) for n in nodes}
-    reserved = frozenset(sorted(frozenset().union(*cpus_of.values()))[: max(0, reserve_vcpu)])
+    reserved = reserved_cpus(
+        frozenset().union(*cpus_of.values()),
+        isolated=parse_cpulist(isolated_cpus),
+        reserve_vcpu=reserve_vcpu,
+    )
     near = [n for n in nodes if n["id"] in device_numa]
     if near and vcpu:
         cpus = frozenset().union(*(cpus_of[int(n["id"])] for n in near)) - reserved
@@ -200,6 +208,14 @@ def limits(
         if memory >= memory_gib:
             out["mems"] = format_cpulist({int(n["id"]) for n in near})
     return out
+
+
+def reserved_cpus(
+    cpus: frozenset[int], *, isolated: frozenset[int], reserve_vcpu: int
+) -> frozenset[int]:
+    """The host's reserved CPUs: the lowest ``reserve_vcpu`` of ``cpus`` that are not
+    ``isolated``."""
+    return frozenset(sorted(cpus - isolated)[: max(0, reserve_vcpu)])
 
 
 def _text(value: object) -> str | None:

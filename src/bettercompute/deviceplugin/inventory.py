@@ -35,10 +35,14 @@ from typing import Any, Protocol
 import pydantic
 import yaml
 
+from bettercompute.core import hosts
+
 log = logging.getLogger(__name__)
 
 SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 SYSFS_HUGEPAGES_1GI = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages")
+#: The CPUs the kernel isolates (``isolcpus``): a cpulist, empty when none are.
+SYSFS_ISOLATED_CPUS = Path("/sys/devices/system/cpu/isolated")
 
 
 class InventoryError(Exception):
@@ -117,6 +121,9 @@ class Inventory:
     memory_gib: int | None = None
     #: 1 GiB huge pages the host has reserved (``nr_hugepages`` of the 1 GiB size).
     hugepages_1gi: int | None = None
+    #: The kernel's isolated CPUs, a cpulist (``2-5``): the control plane never takes the
+    #: host's reserved CPUs from them.
+    isolated_cpus: str | None = None
     #: NVIDIA's CDI devices for the GPUs; the default: nobody looked, env-only.
     nvidia_cdi: NvidiaCdi = NvidiaCdi()
     # Derived from ``gpus``, so neither compared nor hashed: domain id -> GPU UUIDs.
@@ -197,6 +204,9 @@ class _InventoryFile(_FileModel):
     vcpu: int | None = pydantic.Field(default=None, gt=0)
     memoryGiB: int | None = pydantic.Field(default=None, gt=0)
     hugepages1Gi: int | None = pydantic.Field(default=None, ge=0)
+    isolatedCpus: str | None = pydantic.Field(
+        default=None, max_length=hosts.CPULIST_MAX_BYTES, pattern=r"^[0-9,\-]*$"
+    )
 
 
 def _location(loc: Iterable[int | str]) -> str:
@@ -289,6 +299,7 @@ class FileInventory:
             vcpu=document.vcpu,
             memory_gib=document.memoryGiB,
             hugepages_1gi=document.hugepages1Gi,
+            isolated_cpus=document.isolatedCpus or None,
         )
 
     def _format(self) -> str:
@@ -318,6 +329,8 @@ def inventory_document(inventory: Inventory) -> dict[str, Any]:
         document["memoryGiB"] = inventory.memory_gib
     if inventory.hugepages_1gi is not None:
         document["hugepages1Gi"] = inventory.hugepages_1gi
+    if inventory.isolated_cpus:
+        document["isolatedCpus"] = inventory.isolated_cpus
     return document
 
 
@@ -368,6 +381,15 @@ def _host_memory_gib() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _host_isolated_cpus() -> str | None:
+    """The kernel's isolated CPUs as it lists them; ``None`` when none are or it cannot say."""
+    try:
+        text = SYSFS_ISOLATED_CPUS.read_text()[: hosts.CPULIST_MAX_BYTES + 1].strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text and hosts.parse_cpulist(text) else None
 
 
 def _host_hugepages_1gi() -> int | None:
@@ -476,6 +498,7 @@ class NvmlInventory:
             vcpu=os.cpu_count(),
             memory_gib=_host_memory_gib(),
             hugepages_1gi=_host_hugepages_1gi(),
+            isolated_cpus=_host_isolated_cpus(),
         )
 
     def _probe(self, nvml: Any, index: int) -> _Probe:

@@ -116,6 +116,7 @@ def gpunode_status(
                 vcpu=inventory.vcpu,
                 memoryGiB=inventory.memory_gib,
                 hugepages1Gi=inventory.hugepages_1gi,
+                isolatedCpus=inventory.isolated_cpus,
             )
             if has_host
             else None,

@@ -52,6 +52,8 @@ class Host(_Status):
     memoryGiB: int | None = Field(default=None, ge=0)
     hugepages2Mi: int | None = Field(default=None, ge=0)
     hugepages1Gi: int | None = Field(default=None, ge=0)
+    #: The kernel's isolated CPUs (a cpulist, ``isolcpus``): never the host's reserved ones.
+    isolatedCpus: str | None = None
 
 
 class NodeInventory(_Status):

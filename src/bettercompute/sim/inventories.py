@@ -153,16 +153,22 @@ def node(
     )
 
 
-def host_inventory(*, gpus: int, numa_nodes: int) -> dict[str, Any]:
+def host_inventory(
+    *, gpus: int, numa_nodes: int, isolated_cpus: str | None = None
+) -> dict[str, Any]:
     """A host of ``gpus`` GPUs: ``VCPU_PER_GPU`` CPUs and ``MEMORY_GIB_PER_GPU`` GiB per GPU,
-    split evenly over its NUMA nodes (CPUs numbered in order)."""
+    split evenly over its NUMA nodes (CPUs numbered in order); ``isolated_cpus``, a cpulist,
+    as the kernel's isolated CPUs (the host's reserved CPUs are never taken from them)."""
     vcpu, memory = gpus * VCPU_PER_GPU, gpus * MEMORY_GIB_PER_GPU
     count = max(1, numa_nodes)
     numa = []
     for i in range(count):
         first, last = i * vcpu // count, (i + 1) * vcpu // count - 1
         numa.append({"id": i, "cpus": f"{first}-{last}", "memoryGiB": memory // count})
-    return {"vcpu": vcpu, "memoryGiB": memory, "numaNodes": numa}
+    found: dict[str, Any] = {"vcpu": vcpu, "memoryGiB": memory, "numaNodes": numa}
+    if isolated_cpus:
+        found["isolatedCpus"] = isolated_cpus
+    return found
 
 
 def name_stem(*, pool_id: str, prefix: str | None = None) -> str:

@@ -47,6 +47,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                          WHERE c ->> 'type' = 'Preempted' LIMIT 1) AS preempt_at,
                        a.host_vcpu, a.host_memory_gib, a.host_hugepages_1gi,
                        n.resources -> 'numaNodes' AS numa_nodes,
+                       n.resources ->> 'isolatedCpus' AS isolated_cpus,
                        coalesce((p.policy -> 'hostReserve' ->> 'vcpu')::integer, 2)
                          AS reserve_vcpu,
                        (SELECT array_agg(DISTINCT t.numa_node) FILTER (
@@ -85,6 +86,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                 numa_nodes=row["numa_nodes"] if isinstance(row["numa_nodes"], list) else None,
                 device_numa=set(row["device_numa"] or ()),
                 reserve_vcpu=row["reserve_vcpu"],
+                isolated_cpus=row["isolated_cpus"],
             ),
         }
         for row in rows
