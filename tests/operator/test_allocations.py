@@ -130,7 +130,7 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
         name,
         {
             "status": kubeworld.releasing(
-                node, pods=["ml/trainer-0"], since=since, at="2026-12-02T00:00:03Z"
+                node, spec, pods=["ml/trainer-0"], since=since, at="2026-12-02T00:00:03Z"
             )
         },
         status=True,
@@ -152,7 +152,7 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
         DEVICEALLOCATIONS,
         NS,
         name,
-        {"status": kubeworld.released(node, at="2026-12-02T00:00:04Z")},
+        {"status": kubeworld.released(node, spec, at="2026-12-02T00:00:04Z")},
         status=True,
     )
     await world.kube.wait_for(
@@ -176,12 +176,12 @@ async def test_a_hold_binding_gets_an_allocation_too_and_a_failed_report_re_plac
         NS,
         name,
         {
-            "status": {
-                "nodeName": world.nodes[0],
-                "phase": "Failed",
-                "reason": "no such device",
-                "reportedAt": "2026-12-02T00:00:05Z",
-            }
+            "status": kubeworld.failed(
+                world.nodes[0],
+                allocation["spec"],
+                reason="no such device",
+                at="2026-12-02T00:00:05Z",
+            )
         },
         status=True,
     )

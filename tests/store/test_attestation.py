@@ -20,11 +20,14 @@ from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
-from tests.conftest import ROOT
+from tests.conftest import ROOT, caller
 from tests.store.test_lifecycle import (
+    K8S_LABEL,
     advance,
     allocations,
+    bookings,
     cdi,
+    condition,
     conditions,
     create,
     events,
@@ -72,6 +75,36 @@ class Node:
         block: dict[str, Any] = dict(self.key.sign(Report(**fields)))
         block["certificate"] = self.certificate
         return block
+
+
+#: A report kind → what a node signs with it beside the phase (as the node agent does).
+SIGNED_AS = {
+    "failed": {"phase": "Failed", "cdi_devices": (), "env_file": None},
+    "releasing": {"phase": "Releasing", "cdi_devices": (), "env_file": None},
+    "released": {"phase": "Released", "cdi_devices": (), "env_file": None},
+}
+
+
+async def signed_report(
+    service: ReservationService,
+    node: Node,
+    alloc: dict[str, Any],
+    rid: str,
+    kind: str,
+    at_ms: int,
+    **details: Any,
+) -> bool:
+    """A failed, releasing or released report signed by ``node``, as its agent sends it."""
+    changes = dict(SIGNED_AS[kind])
+    if kind == "releasing":
+        changes |= {"pods": tuple(details.get("pods", ())), "since": details.get("since")}
+    signature = node.signed(alloc, rid, at_ms, **changes)
+    return await service.report(
+        node_id=alloc["node_id"],
+        allocation_id=alloc["id"],
+        kind=kind,
+        details={**details, "signature": signature},
+    )
 
 
 async def bound(
@@ -342,9 +375,7 @@ async def test_an_old_genuine_report_played_again_binds_nothing(
 
     # The node loses its devices and says so; then the old Bound report is played again.
     await advance(db, 10)
-    assert await attested.report(
-        node_id=alloc["node_id"], allocation_id=alloc["id"], kind="released", details={}
-    )
+    assert await signed_report(attested, node, alloc, rid, "released", await now_ms(db))
     assert not await bound(attested, alloc, first)
     await run(db)
     view = await get(attested, rid)
@@ -362,3 +393,114 @@ async def test_an_old_genuine_report_played_again_binds_nothing(
     assert await bound(attested, alloc, node.signed(alloc, rid, await now_ms(db)))
     await run(db)
     assert conditions(await get(attested, rid)) == []
+
+
+# --- every report that changes what is booked is proven, not only Bound ----------------------
+
+
+async def test_attack_unsigned_failed_reports_never_fail_a_reservation(
+    db: Database, attested: ReservationService
+) -> None:
+    """Whoever can write a DeviceAllocation's status wrote ``Failed`` three times: each one
+    re-placed the reservation, and the third failed it. Unproven, none may count."""
+    rid, first = await binding(db, attested, "failed-thrice")
+    for _ in range(3):
+        [alloc] = await allocations(db, rid)
+        details = {"reason": "resources-exhausted"}
+        assert not await attested.report(
+            node_id=alloc["node_id"], allocation_id=alloc["id"], kind="failed", details=details
+        )
+        await run(db)
+    view = await get(attested, rid)
+    assert view["state"] == "binding", view
+    assert view["conditions"] == []
+    [alloc] = await allocations(db, rid)
+    assert (alloc["id"], alloc["state"]) == (first["id"], "desired")
+    found = await rejections(db, rid)
+    assert [(e["reason"], e["bindingLost"]) for e in found] == [("unsigned report", False)] * 3
+    assert {e["allocationId"] for e in found} == {first["id"]}
+
+    # Nor does the node's genuine signature over another phase, or over another allocation.
+    node = Node(alloc["node_id"])
+    for changes, reason in (
+        ({}, "the signed report is not this allocation failed"),  # its Bound report
+        ({**SIGNED_AS["failed"], "allocation_id": "alloc_other"}, None),
+    ):
+        signature = node.signed(alloc, rid, await now_ms(db), **changes)
+        assert not await attested.report(
+            node_id=alloc["node_id"],
+            allocation_id=alloc["id"],
+            kind="failed",
+            details={"reason": "forged", "signature": signature},
+        )
+        last = (await rejections(db, rid))[-1]
+        assert last["reason"] == (reason or "the signed report is not this allocation failed")
+    await run(db)
+    assert (await get(attested, rid))["state"] == "binding"
+
+    # The node's own signed Failed report is judged as before: re-placed at once.
+    assert await signed_report(
+        attested, node, alloc, rid, "failed", await now_ms(db), reason="resources-exhausted"
+    )
+    await run(db)
+    view = await get(attested, rid)
+    assert condition(view, "BindTimeout")["reason"] == "NodeRejectedBinding"
+    [again] = await allocations(db, rid)
+    assert again["id"] != first["id"]
+
+
+async def test_attack_an_unsigned_released_report_never_frees_devices_still_held(
+    db: Database, attested: ReservationService
+) -> None:
+    """A reservation released while its pods still hold all 8 GPUs keeps them booked until
+    the node confirms. A forged ``Released`` freed them, and the next reservation was placed
+    on the devices the pods were still using. Unproven, it changes nothing."""
+    await world(db, nodes=1, policy={"kubernetes": True}, labels={K8S_LABEL: ("true", "system")})
+    rid = (await create(attested, "held", count=8, duration="8h", binding="kubernetes"))["id"]
+    await run(db)
+    [alloc] = await allocations(db, rid)
+    node = Node(alloc["node_id"])
+    assert await bound(attested, alloc, node.signed(alloc, rid, await now_ms(db)))
+    await run(db)
+    assert (await get(attested, rid))["state"] == "active"
+    await advance(db, 60)
+    await attested.release(caller(), {"tenantId": "acme", "reservationId": rid})
+    assert await signed_report(
+        attested, node, alloc, rid, "releasing", await now_ms(db), pods=["ml/train-0"]
+    )
+    since = await now(db)
+
+    # The forgeries: unsigned, and the node's genuine Releasing report relabelled Released.
+    assert not await attested.report(
+        node_id=alloc["node_id"], allocation_id=alloc["id"], kind="released", details={}
+    )
+    relabelled = node.signed(alloc, rid, await now_ms(db), **SIGNED_AS["releasing"])
+    assert not await attested.report(
+        node_id=alloc["node_id"],
+        allocation_id=alloc["id"],
+        kind="released",
+        details={"signature": relabelled},
+    )
+    # And a genuine Released report older than the Releasing one accepted: played again.
+    assert not await signed_report(
+        attested, node, alloc, rid, "released", await now_ms(db) - 120_000
+    )
+    assert [e["reason"] for e in await rejections(db, rid)] == [
+        "unsigned report",
+        "the signed report is not this allocation released",
+        attestation.STALE_REPORT,
+    ]
+    await run(db)
+    assert [a["state"] for a in await allocations(db, rid)] == ["releasing"]
+    assert all(b["end_at"] > since for b in await bookings(db, rid))
+    view = await get(attested, rid)
+    assert [c["type"] for c in view["conditions"]] == ["DevicesHeld"]
+    # The devices are still the pods': another reservation cannot have them.
+    other = await create(attested, "next", count=8, binding="kubernetes")
+    assert other["state"] == "pending", other
+
+    # The node's own signed Released report frees them, and the waiting one is placed.
+    assert await signed_report(attested, node, alloc, rid, "released", await now_ms(db))
+    await run(db)
+    assert [a["state"] for a in await allocations(db, rid)] == ["released"]
+    assert (await get(attested, other["id"]))["state"] in ("placed", "binding")

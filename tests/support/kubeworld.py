@@ -195,9 +195,48 @@ def bound(node: str, spec: dict[str, Any], *, at: str = "2026-12-02T00:00:01Z") 
     }
 
 
-def releasing(node: str, *, pods: list[str], since: int, at: str) -> dict:
-    return {"nodeName": node, "phase": "Releasing", "pods": pods, "since": since, "reportedAt": at}
+def _signed(node: str, spec: dict[str, Any], phase: str, at: str, **fields: Any) -> dict:
+    """The signature block of a report of ``phase``, as the device plugin signs it."""
+    report = signing.Report(
+        node_name=node,
+        allocation_id=spec["allocationId"],
+        reservation_id=spec["reservationId"],
+        phase=phase,
+        reported_at=at,
+        **fields,
+    )
+    return nodecerts.sign(node, report)
 
 
-def released(node: str, *, at: str) -> dict:
-    return {"nodeName": node, "phase": "Released", "pods": [], "reportedAt": at}
+def releasing(node: str, spec: dict[str, Any], *, pods: list[str], since: int, at: str) -> dict:
+    """A node's signed Releasing report: ``pods`` still hold the devices."""
+    return {
+        "nodeName": node,
+        "phase": "Releasing",
+        "pods": pods,
+        "since": since,
+        "reportedAt": at,
+        "signature": _signed(node, spec, "Releasing", at, pods=tuple(pods), since=since),
+    }
+
+
+def released(node: str, spec: dict[str, Any], *, at: str) -> dict:
+    """A node's signed Released report: the devices are free."""
+    return {
+        "nodeName": node,
+        "phase": "Released",
+        "pods": [],
+        "reportedAt": at,
+        "signature": _signed(node, spec, "Released", at),
+    }
+
+
+def failed(node: str, spec: dict[str, Any], *, reason: str, at: str) -> dict:
+    """A node's signed Failed report (``reason`` is for people: not signed)."""
+    return {
+        "nodeName": node,
+        "phase": "Failed",
+        "reason": reason,
+        "reportedAt": at,
+        "signature": _signed(node, spec, "Failed", at),
+    }

@@ -396,6 +396,14 @@ UNSIGNED = "unsigned report"
 NO_CERTIFICATE = "the report carries no node certificate"
 NOT_THIS_BINDING = "the signed report is not this allocation bound"
 STALE = "stale report: not newer than the binding last accepted"
+#: The reason a signed report of another phase (or allocation) is refused as a ``phase`` one.
+NOT_THIS_REPORT = "the signed report is not this allocation {phase}"
+STALE_REPORT = "stale report: not newer than the report last accepted"
+
+
+def not_this(phase: str) -> str:
+    """The reason a signature over anything but "this allocation is ``phase``" is refused."""
+    return NOT_THIS_BINDING if phase == "Bound" else NOT_THIS_REPORT.format(phase=phase.lower())
 
 
 @dataclass(frozen=True)
@@ -417,6 +425,14 @@ class AttestedBinding:
     #: Reservation's namespace, as the node saw them (a ``kubernetes`` binding).
     pods: tuple[str, ...] = ()
     intruders: tuple[str, ...] = ()
+    #: The phase the node signed (``Bound`` for a binding; any of ``PHASES``).
+    phase: str = "Bound"
+    #: ``Releasing``: when the release began (epoch ms), as signed.
+    since: int | None = None
+
+
+#: A signed report of any phase that checked out (the name says what it first was for).
+AttestedReport = AttestedBinding
 
 
 def _moment(reported_at: object) -> datetime | None:
@@ -427,6 +443,24 @@ def _moment(reported_at: object) -> datetime | None:
     except ValueError:
         return None
     return moment if moment.tzinfo is not None else None
+
+
+def is_stale(reported_at: str, previous: object) -> bool:
+    """Whether a signed report's ``reportedAt`` is before ``previous`` (that of the last report
+    accepted for the allocation); never when either is not an instant."""
+    now, then = _moment(reported_at), _moment(previous)
+    return now is not None and then is not None and now < then
+
+
+def reported_at(payload: bytes | None) -> str | None:
+    """The signed ``reportedAt`` of stored signed bytes, if any."""
+    if payload is None:
+        return None
+    try:
+        value = json.loads(payload.decode("utf-8")).get("reportedAt")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def is_replay(binding: AttestedBinding, previous_payload: bytes | None, *, lost: bool) -> bool:
@@ -466,6 +500,31 @@ class Attestation:
     ) -> AttestedBinding:
         """The binding a signature block attests, once it is signed by a current, unrevoked
         certificate of ``node_name`` and says exactly "this allocation is bound"."""
+        return self.verify_report(
+            signature,
+            phase="Bound",
+            node_name=node_name,
+            allocation_id=allocation_id,
+            reservation_id=reservation_id,
+            now=now,
+            revoked=revoked,
+        )
+
+    def verify_report(
+        self,
+        signature: Mapping[str, Any] | None,
+        *,
+        phase: str,
+        node_name: str,
+        allocation_id: str,
+        reservation_id: str,
+        now: datetime,
+        revoked: Callable[[x509.Certificate], bool],
+    ) -> AttestedReport:
+        """The report a signature block attests, once it is signed by a current, unrevoked
+        certificate of ``node_name`` and says exactly "this allocation is ``phase``": a
+        ``Failed`` or ``Released`` report changes what is booked as much as a ``Bound`` one
+        does, so each is held to the same proof."""
         if not signature or not signature.get("value") or not signature.get("payload"):
             raise AttestationError(UNSIGNED)
         certificate = signature.get("certificate")
@@ -486,10 +545,10 @@ class Attestation:
             "nodeName": node_name,
             "allocationId": allocation_id,
             "reservationId": reservation_id,
-            "phase": "Bound",
+            "phase": phase,
         }
         if any(document[field] != value for field, value in expected.items()):
-            raise AttestationError(NOT_THIS_BINDING)
+            raise AttestationError(not_this(phase))
         cdi_devices = document["cdiDevices"]
         env_file = document["envFile"]
         if not isinstance(cdi_devices, list) or not all(isinstance(d, str) for d in cdi_devices):
@@ -503,6 +562,9 @@ class Attestation:
         for field, value in (("pods", pods), ("intruders", intruders)):
             if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
                 raise AttestationError(f"signature.payload.{field}: must be a list of strings")
+        since = document["since"]
+        if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
+            raise AttestationError("signature.payload.since: must be an integer or null")
         return AttestedBinding(
             payload=_decode(signature, "payload"),
             signature=_decode(signature, "value"),
@@ -515,4 +577,6 @@ class Attestation:
             cgroup_parent=cgroup_parent,
             pods=tuple(pods),
             intruders=tuple(intruders),
+            phase=phase,
+            since=since,
         )

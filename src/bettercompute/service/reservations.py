@@ -990,13 +990,14 @@ class ReservationService:
     ) -> bool:
         """A node's report (bound, failed, releasing, released) on one of its allocations.
 
-        With attestation on, a bound report binds only if its signature block verifies (see
-        ``core.attestation.Attestation.verify_binding``); one that does not is rejected, the
-        reason published as ``reservation.binding-rejected``, and ``False`` returned."""
+        With attestation on, a report counts only if its signature block verifies for that
+        phase (see ``core.attestation.Attestation.verify_report``); one that does not changes
+        nothing (a bound binding it contradicts is lost), the reason is published as
+        ``reservation.binding-rejected``, and ``False`` returned."""
         attest: reports.Attest | None = None
         if self.attestation is not None:
             attest = functools.partial(
-                _verify_binding,
+                _verify_report,
                 self.attestation,
                 details.get("signature"),
                 node_id,
@@ -1012,19 +1013,21 @@ class ReservationService:
         )
 
 
-def _verify_binding(
+def _verify_report(
     trust: attestation_.Attestation,
     signature: Any,
     node_id: str,
     allocation_id: str,
     reservation_id: str,
+    phase: str,
     now: dt.datetime,
     revoked: attestation_.Revocations,
-) -> attestation_.AttestedBinding:
+) -> attestation_.AttestedReport:
     if signature is not None and not isinstance(signature, Mapping):
         raise attestation_.AttestationError(attestation_.UNSIGNED)
-    return trust.verify_binding(
+    return trust.verify_report(
         signature,
+        phase=phase,
         node_name=node_id,
         allocation_id=allocation_id,
         reservation_id=reservation_id,

@@ -5,16 +5,18 @@ placed on the reporting node; one naming another node's allocation is ignored ex
 unknown one. The report moves the allocation and wakes its reservation's reconcile, which
 judges it; nothing here changes a reservation's state.
 
-Attested bindings: given ``attest`` (the service's check of the node's signature and
-certificate), a bound report counts only when the check passes, inside the same transaction
-that reads the node's revocations. Then the binding is what the node signed, marked
-``attested``, and the signed bytes are kept as received. A report that fails the check never
-binds: in an allocation still binding nothing counts; a bound one is lost (its reservation
-shows ``Degraded/BindingLost``); either way ``reservation.binding-rejected`` is published with
-the reason. A genuine but old signed report played again (its ``reportedAt`` before the last
-one accepted, or that same one after the binding was lost) is rejected the same way. Node
-leases (binding ``node``) are exempt. Only bound reports are checked: failed,
-releasing and released reports cannot make anything count.
+Signed reports: given ``attest`` (the service's check of the node's signature and
+certificate), every report counts only when the check passes, inside the same transaction
+that reads the node's revocations: a ``failed`` report re-places or fails a reservation and a
+``released`` one frees booked devices, so an unproven one is as dangerous as a forged binding.
+A bound report's binding is then what the node signed, marked ``attested``, and the signed
+bytes are kept as received; a releasing report's pods and start are the signed ones. A report
+that fails the check changes nothing, but for a bound one of an allocation that was bound: that
+binding is lost (its reservation shows ``Degraded/BindingLost``). Either way
+``reservation.binding-rejected`` is published with the reason. A genuine but old signed report
+played again (its ``reportedAt`` before that of the last report accepted for the allocation,
+of any phase; or, bound, that same one after the binding was lost) is rejected the same way.
+Node leases (binding ``node``) are exempt.
 
 A bound report of a ``kubernetes`` binding names the pods holding its devices (``pods``) and
 those outside its Reservation's namespace (``intruders``); the reconcile turns the latter into
@@ -38,9 +40,11 @@ from bettercompute.store.database import Conn, Database, jsonb
 
 REPORT_KINDS = ("bound", "failed", "releasing", "released")
 
-#: Checks a bound report given (reservation id, now, the node's revocations); raises
+#: Checks a report given (reservation id, phase, now, the node's revocations); raises
 #: ``AttestationError`` with the reason it does not count.
-Attest = Callable[[str, datetime, attestation.Revocations], attestation.AttestedBinding]
+Attest = Callable[[str, str, datetime, attestation.Revocations], attestation.AttestedReport]
+#: A report kind → the phase its node signs.
+PHASES = {"bound": "Bound", "failed": "Failed", "releasing": "Releasing", "released": "Released"}
 
 
 async def report(
@@ -83,35 +87,27 @@ async def report(
         new_state = _next_allocation_state(alloc["state"], kind)
         if new_state is None:
             return False
-        signed: attestation.AttestedBinding | None = None
+        signed: attestation.AttestedReport | None = None
         # Node leases (binding 'node') are bound by the deploy workflow that verified the
         # machine, not by a node's own report: they are exempt, as the guide says.
-        if kind == "bound" and attest is not None and alloc["binding"] != "node":
+        if attest is not None and alloc["binding"] != "node":
             now = await clock.current_time(conn)
+            pool_id = pool_row["pool_id"]
             try:
                 signed = attest(
-                    alloc["reservation_id"], now, await revocations(conn, node_id=node_id)
+                    alloc["reservation_id"],
+                    PHASES[kind],
+                    now,
+                    await revocations(conn, node_id=node_id),
                 )
             except attestation.AttestationError as e:
-                await _reject(conn, alloc, pool_id=pool_row["pool_id"], reason=e.reason)
+                await _reject(conn, alloc, kind=kind, pool_id=pool_id, reason=e.reason)
                 return False
-            previous = alloc["bound_report"]
-            if attestation.is_replay(
-                signed,
-                None if previous is None else bytes(previous),
-                lost=alloc["state"] == "lost",
-            ):
-                await _reject(conn, alloc, pool_id=pool_row["pool_id"], reason=attestation.STALE)
+            stale = _stale(signed, alloc, kind=kind)
+            if stale is not None:
+                await _reject(conn, alloc, kind=kind, pool_id=pool_id, reason=stale)
                 return False
-            details = {"cdiDevices": list(signed.cdi_devices), "attested": True}
-            if signed.env_file:
-                details["envFile"] = signed.env_file
-            if signed.cgroup_parent:
-                details["cgroupParent"] = signed.cgroup_parent
-            if signed.pods:
-                details["pods"] = list(signed.pods)
-            if signed.intruders:
-                details["intruders"] = list(signed.intruders)
+            details = _signed_details(signed, kind=kind, relayed=details)
         details = _kept_details(details, allocation_id=allocation_id, binding=alloc["binding"])
         report_body = {**(alloc["report"] or {}), **details, "kind": kind}
         if kind == "bound" and signed is None:
@@ -191,16 +187,63 @@ async def revoke_certificate(db: Database, *, serial: int) -> None:
         )
 
 
-async def _reject(conn: Conn, alloc: Mapping[str, Any], *, pool_id: str, reason: str) -> None:
-    """A bound report that did not check out: it never binds, and says so in the outbox."""
-    lost = alloc["state"] == "bound"
-    await conn.execute(
-        "UPDATE allocations SET state = CASE WHEN state = 'bound' THEN 'lost' ELSE state END,"
-        " report = CASE WHEN state = 'bound' THEN %s ELSE report END,"
-        # The last accepted signed report stays: a replay of it is still told apart.
-        " bound_at = NULL, updated_at = compute_now() WHERE id = %s",
-        (jsonb({"kind": "rejected", "reason": reason}), alloc["id"]),
-    )
+def _stale(
+    signed: attestation.AttestedReport, alloc: Mapping[str, Any], *, kind: str
+) -> str | None:
+    """Why a genuine signed report is an old one played again, or ``None``: its ``reportedAt``
+    is before that of the last report accepted for the allocation (the bound one kept, or the
+    last other one), or it is the bound report accepted before a binding lost since."""
+    previous = None if alloc["bound_report"] is None else bytes(alloc["bound_report"])
+    last_other = (alloc["report"] or {}).get("reportedAt")
+    if kind == "bound":
+        if attestation.is_replay(signed, previous, lost=alloc["state"] == "lost"):
+            return attestation.STALE
+        return attestation.STALE if attestation.is_stale(signed.reported_at, last_other) else None
+    for then in (attestation.reported_at(previous), last_other):
+        if attestation.is_stale(signed.reported_at, then):
+            return attestation.STALE_REPORT
+    return None
+
+
+def _signed_details(
+    signed: attestation.AttestedReport, *, kind: str, relayed: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What a checked report says: the signed fields, whatever the relayed copy claims; a
+    failed report's ``reason`` is relayed as is (an explanation for people, not signed)."""
+    details: dict[str, Any] = {"reportedAt": signed.reported_at}
+    if kind == "bound":
+        details |= {"cdiDevices": list(signed.cdi_devices), "attested": True}
+        if signed.env_file:
+            details["envFile"] = signed.env_file
+        if signed.cgroup_parent:
+            details["cgroupParent"] = signed.cgroup_parent
+        if signed.pods:
+            details["pods"] = list(signed.pods)
+        if signed.intruders:
+            details["intruders"] = list(signed.intruders)
+    elif kind == "releasing":
+        details["pods"] = list(signed.pods)
+        if signed.since is not None:
+            details["since"] = signed.since
+    elif kind == "failed" and relayed.get("reason"):
+        details["reason"] = relayed["reason"]
+    return details
+
+
+async def _reject(
+    conn: Conn, alloc: Mapping[str, Any], *, kind: str, pool_id: str, reason: str
+) -> None:
+    """A report that did not check out: it changes nothing (but a bound allocation that gets a
+    bad bound report loses its binding), and says so in the outbox."""
+    lost = kind == "bound" and alloc["state"] == "bound"
+    if kind == "bound":
+        await conn.execute(
+            "UPDATE allocations SET state = CASE WHEN state = 'bound' THEN 'lost' ELSE state END,"
+            " report = CASE WHEN state = 'bound' THEN %s ELSE report END,"
+            # The last accepted signed report stays: a replay of it is still told apart.
+            " bound_at = NULL, updated_at = compute_now() WHERE id = %s",
+            (jsonb({"kind": "rejected", "reason": reason}), alloc["id"]),
+        )
     await journal.emit(
         conn,
         "reservation.binding-rejected",
