@@ -237,7 +237,8 @@ class RenewInput(Input):
 # --- event subscriptions (webhooks) ------------------------------------------------------------
 
 #: Every type of event the outbox carries, i.e. what a subscription may name: the store's
-#: ``journal.emit`` calls and admission's SQL (``reservation.pending``).
+#: ``journal.emit`` calls and admission's SQL (``reservation.pending``), owner offboarding's
+#: ``reservation.reassigned`` included.
 EventType = Literal[
     "reservation.pending",
     "reservation.queued",
@@ -254,6 +255,7 @@ EventType = Literal[
     "reservation.cancelled",
     "reservation.awaiting-confirmation",
     "reservation.expired",
+    "reservation.reassigned",
 ]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 #: What a subscription's URL must look like: http or https, a host, then a path, query or
