@@ -17,6 +17,9 @@ from typing import Any
 import psycopg.errors
 import pytest
 
+from bettercompute.core import ports
+from bettercompute.core.errors import ComputeError
+from bettercompute.iam import policies
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired
 from bettercompute.store.database import Database
@@ -38,6 +41,7 @@ from tests.store.test_lifecycle import (
     report,
     run,
 )
+from tests.store.test_lifecycle import world as lifecycle_world
 from tests.support.placers import placers
 
 HOUR = 3600.0
@@ -242,3 +246,69 @@ async def test_the_database_guard_counts_the_hosts_reserved_cpus(
         )
     with pytest.raises(psycopg.errors.ExclusionViolation, match="would give more than it has"):
         await book(55)
+
+
+# --- which action each operation is decided as -----------------------------------------------
+
+_PERMIT_ALL = """
+permit (principal, action, resource is Compute::Reservation)
+when { principal.tenant == resource.tenant };
+permit (principal, action == Compute::Action::"compute:reservations:read",
+        resource is Compute::Tenant) when { principal in resource };
+"""
+
+
+def _forbidding(action: str) -> policies.CedarPolicyEngine:
+    return policies.CedarPolicyEngine.from_text(
+        _PERMIT_ALL
+        + f'forbid (principal, action == Compute::Action::"{action}", resource)'
+        + " when { resource is Compute::Reservation };"
+    )
+
+
+async def _outcomes(service: ReservationService, rid: str) -> dict[str, str]:
+    ref = {"tenantId": "acme", "reservationId": rid}
+    found: dict[str, str] = {}
+    calls = {
+        "get": lambda: service.get(caller(), ref),
+        "renew": lambda: service.renew(caller(), ref),
+        "cancel": lambda: service.cancel(caller(), ref),
+        "release": lambda: service.release(caller(), ref),
+    }
+    for name, call in calls.items():
+        try:
+            await call()
+            found[name] = "ok"
+        except ComputeError as e:
+            found[name] = e.code.value
+    return found
+
+
+@pytest.mark.parametrize(
+    ("forbidden", "expected"),
+    [
+        # get is read: forbidden, the reservation is hidden from every operation.
+        (
+            ports.READ,
+            {"get": "NOT_FOUND", "renew": "ok", "cancel": "ok", "release": "ok"},
+        ),
+        # renew is extend: refused; release and cancel stay allowed.
+        (
+            ports.EXTEND,
+            {"get": "ok", "renew": "ACCESS_DENIED", "cancel": "ok", "release": "ok"},
+        ),
+        # release and cancel are both release.
+        (
+            ports.RELEASE,
+            {"get": "ok", "renew": "ok", "cancel": "ACCESS_DENIED", "release": "ACCESS_DENIED"},
+        ),
+    ],
+)
+async def test_each_operation_is_decided_as_its_action(
+    db: Database, make_service: Any, forbidden: str, expected: dict[str, str]
+) -> None:
+    await lifecycle_world(db)
+    allowed = make_service(policies.CedarPolicyEngine.from_text(_PERMIT_ALL))
+    view = await create(allowed, "leased", count=2, leaseSeconds=600)
+    service = make_service(_forbidding(forbidden))
+    assert await _outcomes(service, view["id"]) == expected
