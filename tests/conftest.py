@@ -13,7 +13,11 @@ from bettercompute.service.reservations import ReservationService
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database
 
-pytest_plugins = ["tests.support.database", "tests.support.kubeserver"]
+pytest_plugins = [
+    "tests.support.database",
+    "tests.support.kubeserver",
+    "tests.controlplane.plugin",
+]
 
 ROOT = "root"
 

@@ -63,6 +63,9 @@ class OperatorConfig:
     #: else ``$KUBECONFIG``.
     api_server: str | None = None
     api_token: str | None = None
+    #: The CA that signed ``api_server``'s serving certificate (PEM); without it, the
+    #: system's trust store.
+    api_ca: Path | None = None
     #: Groups naming a caller's tenant in TokenReview answers.
     tenant_group_prefix: str = "bcd.dev:tenant:"
     #: How often every node's DeviceAllocations are compared in full with the store.

@@ -99,6 +99,7 @@ def connection_info(
     if config.api_server:
         return kopf.ConnectionInfo(
             server=config.api_server,
+            ca_path=str(config.api_ca) if config.api_ca else None,
             token=config.api_token,
             scheme="Bearer" if config.api_token else None,
             default_namespace=config.namespace,
@@ -551,6 +552,14 @@ def run(
         typer.Option(
             envvar="BCD_NODE_AGENT_SERVICE_ACCOUNT",
             help="The node agent's service account in the operator's namespace: only its "
+    api_ca: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="BCD_API_CA",
+            help="The CA file (PEM) that signed --api-server's certificate; default: the "
+            "system's trust store.",
+        ),
+    ] = None,
             "node-bound tokens get node certificates.",
         ),
     ] = "better-compute-device-plugin",
@@ -647,6 +656,7 @@ def run(
         node_certificate_grace_s=node_certificate_grace_minutes * 60,
         node_ca_secret=node_ca_secret,
         node_ca_create=node_ca_create,
+        api_ca=api_ca,
         node_certificates=node_certificates,
         pool_status_s=pool_status_s,
         event_webhook_allow=tuple(event_webhook_allow or ()),
