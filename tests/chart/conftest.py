@@ -64,6 +64,7 @@ def full() -> dict[str, Any]:
         },
         "imagePullSecrets": [{"name": "registry"}],
         "database": DATABASE,
+        "eventSubscriptions": {"namespaces": ["ml", "team-b"]},
         "operator": {
             "replicas": 3,
             "rootTenant": "platform",

@@ -41,6 +41,7 @@ from tests.support.kubeserver import KubeApi
 OPERATOR = "bc-better-compute-operator"
 DEVICE_PLUGIN = "bc-better-compute-device-plugin"
 CRD_UPGRADE = "bc-better-compute-crd-upgrade"
+SUBSCRIPTION_SECRETS = f"{OPERATOR}-subscription-secrets"
 NODE_CA = "bc-node-ca"
 WEBHOOK_SECRET = "bc-better-compute-webhook-tls"
 CONFIGURATIONS = ("bc-better-compute",)
@@ -85,7 +86,8 @@ EXPECTED = [
         "patch",
         "subscribing.py",
     ),
-    ("ClusterRole", OPERATOR, "", "secrets", None, "create update", "subscribing.py"),
+    # Bound only by RoleBindings in eventSubscriptions.namespaces, never cluster-wide.
+    ("ClusterRole", SUBSCRIPTION_SECRETS, "", "secrets", None, "create update", "subscribing.py"),
     ("ClusterRole", OPERATOR, "bcd.dev", "gpunodes", None, "list watch patch", "kopf timer"),
     ("ClusterRole", OPERATOR, "bcd.dev", "deviceallocations", None, "list watch", "kopf event"),
     ("ClusterRole", OPERATOR, "", "namespaces", None, "list watch", "kopf index"),
@@ -278,9 +280,13 @@ def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):
         assert "*" not in (group, resource, verb), kind
         assert resource not in ("pods", "configmaps"), resource
         if resource == "secrets" and kind == "ClusterRole":
-            # An EventSubscription's signing secret, beside it in a tenant namespace the chart
-            # does not know: create, and update (of one it made); never read.
-            assert (name, names, verb) in ((OPERATOR, None, "create"), (OPERATOR, None, "update"))
+            # An EventSubscription's signing secret, beside it in a tenant namespace: create,
+            # and update (of one it made); never read. Only RoleBindings grant it (below).
+            allowed = (
+                (SUBSCRIPTION_SECRETS, None, "create"),
+                (SUBSCRIPTION_SECRETS, None, "update"),
+            )
+            assert (name, names, verb) in allowed
         elif resource == "secrets":
             # Only the operator's node-report CA, in its own namespace: read that one Secret,
             # create it (a create cannot name its object in RBAC).
@@ -345,6 +351,45 @@ def test_with_cert_manager_the_operator_never_creates_the_ca(render):
         if r == "secrets" and kind == "Role"  # the ClusterRole's: EventSubscriptions
     }
     assert secrets == {("get", (NODE_CA,))}
+
+
+def _secret_write(verb: str, namespace: str, name: str = "") -> authorizing.Attributes:
+    path = f"/api/v1/namespaces/{namespace}/secrets" + (f"/{name}" if name else "")
+    return authorizing.attributes({"create": "POST", "update": "PUT"}[verb], path, {})
+
+
+def test_attack_the_operator_cannot_write_a_secret_in_another_namespace(render: Any) -> None:
+    """A stolen operator token (or a bug in the operator) must not be able to plant or replace
+    a Secret anywhere in the cluster: a service account's token in kube-system, another
+    tenant's registry credentials. The chart grants Secret writes only in the operator's own
+    namespace and in the namespaces opened for EventSubscriptions, and the operator can still
+    do everything it does with Secrets there."""
+    rendered = render({"eventSubscriptions": {"namespaces": ["ml"]}})
+    operator = authorizing.authorizer_for(
+        rendered.objects, namespace=rendering.NAMESPACE, name=OPERATOR
+    )
+    assert rendered.of("ClusterRoleBinding")  # the operator still holds cluster-wide rules
+    for namespace in ("kube-system", "default", "team-b"):
+        for verb, name in (("create", ""), ("update", "registry"), ("update", NODE_CA)):
+            attempt = _secret_write(verb, namespace, name)
+            assert not operator.allows(attempt), f"the operator may {attempt}"
+    # What it needs: the node CA and webhook certificate in its own namespace (first start,
+    # renewal), and an EventSubscription's Secret in a namespace opened to it.
+    needed = [
+        _secret_write("create", rendering.NAMESPACE),
+        _secret_write("update", rendering.NAMESPACE, WEBHOOK_SECRET),
+        _secret_write("create", "ml"),
+        _secret_write("update", "ml", "hooks-signing"),
+    ]
+    for request in needed:
+        assert operator.allows(request), f"the operator may not {request}"
+    # Its own namespace's other Secrets stay out of reach but for creating new ones.
+    assert not operator.allows(_secret_write("update", rendering.NAMESPACE, "someone-elses"))
+    # Without any namespace opened, EventSubscriptions' Secrets are written nowhere.
+    closed = authorizing.authorizer_for(
+        render({}).objects, namespace=rendering.NAMESPACE, name=OPERATOR
+    )
+    assert not closed.allows(_secret_write("create", "ml"))
 
 
 def test_each_service_account_is_bound_to_its_own_roles_and_used(everything: rendering.Rendered):

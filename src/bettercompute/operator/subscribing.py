@@ -18,7 +18,10 @@ garbage collector removes it with the object.
   never has two.
 - The Secret: created; written over only at the ``resourceVersion`` the operator recorded, so
   a Secret someone else made (or changed) is never overwritten: the object shows
-  ``Ready=False``, reason ``SecretExists``, and the subscription it made is disabled.
+  ``Ready=False``, reason ``SecretExists``, and the subscription it made is disabled. The
+  operator may write Secrets only in namespaces opened to it (the chart's
+  ``eventSubscriptions.namespaces``); elsewhere the API server refuses and the object shows
+  ``Ready=False``, reason ``SecretForbidden``, its subscription disabled the same way.
 - Invalid input the CRD let through, or a tenant not known yet: ``Ready=False`` with the error's
   code as reason, never an exception out of the handler.
 
@@ -45,6 +48,8 @@ KIND = "EventSubscription"
 SECRET_KEY = "secret"
 SUBSCRIBED = "Subscribed"
 SECRET_EXISTS = "SecretExists"
+#: The operator is not allowed to write Secrets in the object's namespace.
+SECRET_FORBIDDEN = "SecretForbidden"
 DISABLED = "SubscriptionDisabled"
 #: How soon a refusal that may clear by itself (a tenant or a Secret) is tried again.
 RETRY_S = 30.0
@@ -191,9 +196,23 @@ class SubscriptionDoor:
             await self._refused(body, e.code.value, e.message)
             return RETRY_S
         where = secret_name(body)
-        version = await self._write_secret(
-            body, name=where, secret=made["secret"], known=status.get("secretVersion")
-        )
+        try:
+            version = await self._write_secret(
+                body, name=where, secret=made["secret"], known=status.get("secretVersion")
+            )
+        except KubeError as e:
+            if e.status != 403:
+                raise
+            # The chart grants Secrets only in the namespaces opened to the operator: a
+            # subscription whose secret cannot reach its tenant must not deliver.
+            await self._disable(caller, tenant, [made["id"]])
+            await self._refused(
+                body,
+                SECRET_FORBIDDEN,
+                f"the operator may not write Secrets in namespace {namespace}: add it to the "
+                "chart's eventSubscriptions.namespaces",
+            )
+            return RETRY_S
         if version is None:
             await self._disable(caller, tenant, [made["id"]])
             await self._refused(
