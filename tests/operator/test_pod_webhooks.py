@@ -28,7 +28,7 @@ import pytest
 
 from bettercompute.operator.running import Operator
 from tests.chart import rendering
-from tests.operator.conftest import World, apply_world
+from tests.operator.conftest import World, apply_world, free_port
 from tests.support import kubeworld
 from tests.support.kubeobjects import GPUPOOLS, RESERVATIONS, Ref
 from tests.support.kubeserver import KubeApi
@@ -323,6 +323,60 @@ async def test_attack_the_tenants_own_pods_cannot_move_to_another_reservation(
     # Without the label, the reservation's resource is refused even in its own namespace.
     unlabelled = await cluster.create(pod("sneak", **{cluster.resource: 1}))
     assert refusal(unlabelled).startswith(f"asks {cluster.resource} without the label")
+
+
+async def test_attack_a_tenant_writing_its_reservations_status_cannot_take_anothers_devices(
+    cluster: Cluster, start_operator: Callable[..., Any], chart_webhooks: list[dict[str, Any]]
+) -> None:
+    """A tenant allowed to write its own Reservation's status names the victim's resource (and
+    id) there. An operator that trusted status took the first Reservation showing a resource
+    as its owner: after a restart (its watch listing the thief's namespace first) it admitted
+    the thief's pod onto the victim's devices. Ownership now comes from the store alone."""
+    kube, victim = cluster.kube, cluster.resource
+    # Another namespace (of the same tenant: pods never cross namespaces either way).
+    await kube.create(kubeworld.namespace("lab", tenant="acme"))
+    mine = await _reservation(
+        kube,
+        kubeworld.reservation("mine", "lab").gpus(1).kubernetes(),
+        "placed",
+        "binding",
+    )
+    own = mine["status"]["resourceName"]
+    assert own != victim
+
+    async def forge(**status: Any) -> None:
+        await kube.patch(RESERVATIONS, "lab", "mine", {"status": status}, status=True)
+
+    await forge(resourceName=victim)
+    # The restart: a fresh operator (its watch and indexes built from what the server lists)
+    # answers the webhooks.
+    async with start_operator(webhook_port=free_port()) as restarted:
+        port = restarted.runtime.config.webhook_port
+        await _listening(port)
+        _route(kube, chart_webhooks, f"http://127.0.0.1:{port}")
+        await forge(resourceName=victim)
+        # 1. The label names its own Reservation, whose status names the victim's resource.
+        labelled = await cluster.create(pod("thief", "lab", label="mine", gpu=1), token="t-mallory")
+        assert labelled.status_code == 201, labelled.text
+        (main,) = labelled.json()["spec"]["containers"]
+        assert main["resources"]["limits"] == {own: "1"}  # its own devices, never the victim's
+        # 2. It asks the victim's resource by name, under its own Reservation's label.
+        direct = await cluster.create(
+            pod("thief-2", "lab", label="mine", **{victim: 1}), token="t-mallory"
+        )
+        assert refusal(direct) == (
+            f"asks {victim}, the resource of a Reservation in another namespace: "
+            "a pod may use only the reservations of its own namespace"
+        )
+        # 3. Its status names the victim's reservation id too: then it is no reservation the
+        #    operator admitted for this object, and hands out nothing.
+        await forge(resourceName=victim, id=cluster.train["status"]["id"], state="active")
+        forged = await cluster.create(pod("thief-3", "lab", label="mine", gpu=1), token="t-mallory")
+        assert "is not admitted yet" in refusal(forged)
+        for name in ("thief", "thief-2", "thief-3"):
+            stored = kube.stored(PODS, "lab", name) or {}
+            for container in (stored.get("spec") or {}).get("containers", []):
+                assert victim not in container["resources"]["limits"], name
 
 
 async def test_no_warning_once_a_pool_shares_its_devices(cluster: Cluster) -> None:

@@ -30,6 +30,7 @@ from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import (
     definitions,
     podaccess,
+    podowners,
     quotas,
     statuses,
     subscribing,
@@ -161,11 +162,6 @@ def make_registry(
 
     # --- Pods: only a reservation's own pods get its devices (``podaccess``) -----------------
 
-    @kopf.index(*RESERVATIONS, id="reservation_owners", registry=registry)
-    def reservation_owners(body: kopf.Body, **_: Any) -> dict[Any, Any]:
-        seen = podaccess.booked(body)
-        return {seen.resource_name: seen} if seen.resource_name else {}
-
     @kopf.on.mutate(*PODS, id="pod-rewrite", operations=["CREATE"], registry=registry)
     async def pod_rewritten(body: kopf.Body, patch: kopf.Patch, memo: Any, **kwargs: Any) -> None:
         if kwargs.get("operation") != "CREATE":  # kopf's server does not filter by operation
@@ -179,16 +175,19 @@ def make_registry(
     @kopf.on.validate(*PODS, id="pod-check", operations=["CREATE", "UPDATE"], registry=registry)
     async def pod_checked(body: kopf.Body, memo: Any, warnings: list[str], **kwargs: Any) -> None:
         operation, old = kwargs.get("operation"), kwargs.get("old")
-        reservation = None
+        runtime, reservation = _runtime(memo), None
         if podaccess.needs_reservation(operation=operation, pod=body, old=old):
-            reservation = await _labelled_reservation(_runtime(memo), body)
-        owners = kwargs["reservation_owners"]
+            reservation = await _labelled_reservation(runtime, body)
+        # Whose each bcd.dev/rsv-… resource is: the store's claims, never a status field.
+        owners = await podowners.PodOwners(runtime.service).owners_of(
+            podaccess.reservation_resources(body), known=reservation
+        )
         problem = podaccess.refusal(
             operation=operation,
             pod=body,
             old=old,
             reservation_named=lambda namespace, name: reservation,
-            owner_of=lambda resource: _first(owners, resource),
+            owner_of=owners.get,
         )
         if problem is not None:
             raise kopf.AdmissionError(problem, code=403)
@@ -364,12 +363,13 @@ def _subscriptions(memo: Any) -> subscribing.SubscriptionDoor:
 async def _labelled_reservation(
     runtime: Runtime, pod: Mapping[str, Any]
 ) -> podaccess.Booked | None:
-    """The Reservation a pod's label names in its namespace, read from the API server.
+    """The Reservation a pod's label names in its namespace, read from the API server, with
+    its state, devices and resource name from the store (``podowners``: a status field a
+    tenant can write is never believed).
 
     Why not from the watch: its events reach the operator a batching window late, and a
     Reservation released a moment ago must not hand out its devices. A pod that asks bcd
-    devices is rare enough for one GET each. (Which Reservation owns a resource name never
-    changes, so that comes from the watch's index.)
+    devices is rare enough for one GET and a few indexed reads each.
     """
     meta = pod.get("metadata") or {}
     label = (meta.get("labels") or {}).get(names.POD_RESERVATION_LABEL)
@@ -377,7 +377,9 @@ async def _labelled_reservation(
     if not podaccess.is_object_name(label) or not podaccess.is_object_name(namespace):
         return None  # mutating webhooks see a pod before its labels are validated
     body = await runtime.kube.get(resources.RESERVATIONS, str(label), namespace=str(namespace))
-    return podaccess.booked(body) if body is not None else None
+    if body is None:
+        return None
+    return await podowners.PodOwners(runtime.service).reservation(body)
 
 
 async def _apply_nodes(

@@ -21,8 +21,9 @@ the sum over its app containers (plus restartable "sidecar" init containers) and
 single init container (plus the sidecars started before it). It must fit what the
 reservation holds on one node (a pod runs on one node; a gang member holds the same on each).
 
-Pure: nothing here does I/O; ``handlers`` gives it what the operator's watch knows of the
-Reservations (``Booked``) and turns its answers into kopf's admission answers.
+Pure: nothing here does I/O; ``handlers`` gives it what the operator recorded of the
+Reservations (``Booked``, ``podowners``: from the store, never from a Reservation's status, which
+a tenant may be able to write) and turns its answers into kopf's admission answers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from bettercompute.core import states
 from bettercompute.kube import names
@@ -69,6 +70,23 @@ class Booked:
     @property
     def held(self) -> int:
         return sum(self.per_node.values())
+
+
+class Owned(Protocol):
+    """Whose a reservation is: its Reservation's namespace and name."""
+
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The Reservation that owns a reservation's resource, as the store recorded it."""
+
+    namespace: str
+    name: str
 
 
 def booked(body: Mapping[str, Any]) -> Booked:
@@ -164,6 +182,13 @@ def asks(pod: Mapping[str, Any]) -> list[Ask]:
                     )
                 )
     return found
+
+
+def reservation_resources(pod: Mapping[str, Any] | None) -> list[str]:
+    """The ``bcd.dev/rsv-…`` resources the pod asks (whose owners ``refusal`` may ask for)."""
+    if pod is None:
+        return []
+    return sorted(r for r in effective(asks(pod)) if _is_reservation_resource(r))
 
 
 def asks_bcd(pod: Mapping[str, Any] | None) -> bool:
@@ -279,7 +304,7 @@ def _rewrite_container(
 
 #: Finds a Reservation by (namespace, name), and the one whose resource name this is.
 Named = Callable[[str, str], Booked | None]
-Owning = Callable[[str], Booked | None]
+Owning = Callable[[str], Owned | None]
 
 
 def refusal(

@@ -5,6 +5,9 @@ requester) name the same stored reservation. Only one may act for it: the other 
 deleting it can never release the first object's reservation. The store settles who came
 first in one row, atomically across operator replicas.
 
+The pod webhooks ask it whose a reservation (or a reservation's resource name) is: the claim
+is written by the operator alone, never from a field a tenant can write.
+
 What it must never do: touch the reservation itself. The HTTP API's same-key replay does not
 come through here and keeps the guide's behaviour.
 """
@@ -36,3 +39,11 @@ class ReservationOwners:
             namespace=namespace,
             name=name,
         )
+
+    async def owner(self, reservation_id: str) -> Owner | None:
+        """The object that claimed ``reservation_id``, if any."""
+        return await owners.read(self.db, reservation_id)
+
+    async def owner_of_resource(self, resource: str) -> Owner | None:
+        """The object that owns the reservation advertised as ``resource``, if any."""
+        return await owners.of_resource(self.db, resource)
