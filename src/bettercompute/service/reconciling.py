@@ -49,6 +49,11 @@ class Reconciler:
         failing = ""
         try:
             while True:
+                # Cleared before the pass, never after it: a wake-up inserted while the pass
+                # or the read of the next due moment runs is still seen by the wait below.
+                # (Cleared after them, one that came in between was lost, and the loop slept
+                # up to MAX_IDLE_S with a node's report due: binds took 5 s now and then.)
+                self._wake.clear()
                 try:
                     await self.run_once()
                     due = await reconciling.next_due_in(self.db)
@@ -63,7 +68,6 @@ class Reconciler:
                     failing = ""
                 backoff.reset()
                 timeout = MAX_IDLE_S if due is None else min(MAX_IDLE_S, due)
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout):
                         await self._wake.wait()

@@ -70,10 +70,17 @@ async def wake_many(
 
 
 async def wake_pending(conn: Conn, *, pool_id: str) -> None:
-    """Freed capacity: retry the pool's pending reservations now, not at their next 30 s."""
+    """Freed capacity: retry the pool's pending reservations now, not at their next 30 s.
+
+    One that already has a wake-up due is not woken twice: its retry, still to come, sees the
+    freed capacity. Why: every release woke every pending reservation of the pool again, so
+    with 2,000 pending and the retries behind (they yield to lifecycle wake-ups,
+    ``store.reconciling.reconcile_due``), each release added 2,000 rows to a queue that only
+    grew."""
     await conn.execute(
         "INSERT INTO work_queue (reservation_id, due_at, why)"
-        " SELECT id, compute_now(), 'capacity-freed' FROM reservations"
-        " WHERE pool_id = %s AND state = 'pending'",
+        " SELECT r.id, compute_now(), 'capacity-freed' FROM reservations r"
+        " WHERE r.pool_id = %s AND r.state = 'pending' AND NOT EXISTS (SELECT 1 FROM work_queue w"
+        "  WHERE w.reservation_id = r.id AND w.due_at <= compute_now())",
         (pool_id,),
     )

@@ -27,6 +27,21 @@ from bettercompute.store import clock, confirmations, journal, locking, placing,
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row, jsonb
 
+#: The wake-ups of pending reservations: placement retries, every 30 s and whenever capacity
+#: is freed or changes. Migration 0016's partial index names the same list.
+RETRY_WHYS = ("retry", "capacity-freed", "capacity-changed")
+NOT_RETRY = "why NOT IN (" + ", ".join(f"'{w}'" for w in RETRY_WHYS) + ")"
+
+# The oldest due wake-up of the lifecycle lane (everything but retries), then of any.
+_TAKE_LIFECYCLE = (
+    "SELECT id, reservation_id FROM work_queue WHERE due_at <= compute_now()"
+    f" AND {NOT_RETRY} ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED"
+)
+_TAKE_ANY = (
+    "SELECT id, reservation_id FROM work_queue WHERE due_at <= compute_now()"
+    " ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED"
+)
+
 
 async def reconcile_due(db: Database, *, limit: int = 20) -> int:
     """Reconcile up to ``limit`` reservations whose wake-ups are due; returns how many.
@@ -35,16 +50,21 @@ async def reconcile_due(db: Database, *, limit: int = 20) -> int:
     queue rows, taken ``FOR UPDATE SKIP LOCKED`` so replicas share the queue without waiting on
     each other, and a crash mid-way leaves the wake-up in place. (A pool-lease pool's retries
     due at once share one transaction: ``_requeue_due``.)
+
+    Two lanes: each step takes the oldest due lifecycle wake-up (a start, a node's report, a
+    deadline, an end) before any pending retry (``RETRY_WHYS``), however long the retries have
+    been due. Why: a release wakes every pending reservation of its pool, each a placement
+    attempt; in due order, a reservation placed after a release with 2,000 pending waited
+    behind all of them for its start and again for its node's report (seconds, minutes under
+    churn), while a retry taken a moment later loses nothing: the capacity it waits for is
+    still there. Retries still run whenever no lifecycle wake-up is due.
     """
     done = 0
     for _ in range(limit):
         async with db.transaction() as conn:
-            row = await (
-                await conn.execute(
-                    "SELECT id, reservation_id FROM work_queue WHERE due_at <= compute_now()"
-                    " ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED"
-                )
-            ).fetchone()
+            row = await (await conn.execute(_TAKE_LIFECYCLE)).fetchone()
+            if row is None:
+                row = await (await conn.execute(_TAKE_ANY)).fetchone()
             if row is None:
                 return done
             rid = row["reservation_id"]

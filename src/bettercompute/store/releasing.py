@@ -108,6 +108,11 @@ async def carry_held(conn: Conn, row: Row) -> None:
     cap is always reached.
     """
     rid = row["id"]
+    if row["request"].get("binding") != "kubernetes":
+        # Only pods hold devices past a release (the guide's DevicesHeld); a hold's booking
+        # ended with the release. Carrying it too, a stale wake-up of a released hold (its
+        # recheck) booked its devices again for 5 minutes, ahead of the pending retries.
+        return
     now = await clock.current_time(conn)
     await _carry(
         conn,
