@@ -30,6 +30,8 @@ GAUGES_AND_COUNTERS = frozenset(
         "bettercompute_work_queue_depth",
         "bettercompute_work_queue_due",
         "bettercompute_database_up",
+        "bettercompute_work_queue_lag_seconds",
+        "bettercompute_outbox_lag_seconds",
         "bettercompute_webhook_certificate_expiry_timestamp_seconds",
         "bettercompute_build_info",
         "bettercompute_node_advertised_devices",
@@ -58,6 +60,10 @@ ALERTS = {
     "BetterComputeBindingStuck",
     "BetterComputePoolNearlyFull",
     "BetterComputeWebhookCertificateExpiring",
+    "BetterComputeDatabaseUnreachable",
+    "BetterComputeOperatorDown",
+    "BetterComputeReconcilerLagging",
+    "BetterComputeOutboxLagging",
 }
 #: Prometheus's duration format (the PrometheusRule CRD's pattern for ``for``).
 DURATION = re.compile(
@@ -281,7 +287,7 @@ def test_the_panels_have_unique_ids_and_fit_the_grid(dashboard: dict[str, Any]):
 # ---- the PrometheusRule ------------------------------------------------------------------------
 
 
-def test_the_rule_has_the_three_alerts_in_a_valid_shape(render: Callable):
+def test_the_rule_has_its_alerts_in_a_valid_shape(render: Callable):
     rendered = render(monitoring(prometheusRule={"enabled": True, "labels": {"release": "prom"}}))
     (rule,) = rendered.of("PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
@@ -293,7 +299,8 @@ def test_the_rule_has_the_three_alerts_in_a_valid_shape(render: Callable):
         assert set(alert) <= RULE_FIELDS, name
         assert DURATION.match(alert["for"]), name
         assert unknown_metrics(alert["expr"]) == set(), name
-        assert METRIC.search(alert["expr"]), name
+        # Every alert reads our metrics, except the one about the operator's scrape itself.
+        assert METRIC.search(alert["expr"]) or name == "BetterComputeOperatorDown", name
         assert alert["annotations"]["summary"].strip(), name
         assert alert["annotations"]["description"].strip(), name
     severities = {name: a["labels"]["severity"] for name, a in found.items()}
@@ -301,6 +308,10 @@ def test_the_rule_has_the_three_alerts_in_a_valid_shape(render: Callable):
         "BetterComputeBindingStuck": "warning",
         "BetterComputePoolNearlyFull": "warning",
         "BetterComputeWebhookCertificateExpiring": "critical",
+        "BetterComputeDatabaseUnreachable": "critical",
+        "BetterComputeOperatorDown": "critical",
+        "BetterComputeReconcilerLagging": "warning",
+        "BetterComputeOutboxLagging": "warning",
     }
     # Prometheus's own templating reaches the annotations intact (Helm must not eat it).
     assert "{{ $labels.pool }}" in found["BetterComputePoolNearlyFull"]["annotations"]["summary"]
@@ -314,7 +325,8 @@ POOL_FULL = re.compile(
     r" / sum by \(pool\) \(bettercompute_gpus\) > (\S+)"
 )
 EXPIRY = re.compile(
-    r"bettercompute_webhook_certificate_expiry_timestamp_seconds - time\(\) < (\S+) \* 86400"
+    r"\(bettercompute_webhook_certificate_expiry_timestamp_seconds > 0\) - time\(\)"
+    r" < (\S+) \* 86400"
 )
 
 
@@ -433,6 +445,10 @@ def test_the_schema_accepts_every_monitoring_setting(chart: helm_python.Chart):
                 "stuckBindingMinutes": 30,
                 "poolFullRatio": 0.8,
                 "certificateExpiryDays": 7,
+                "databaseDownMinutes": 3,
+                "operatorDownMinutes": 10,
+                "reconcilerLagSeconds": 120,
+                "outboxLagSeconds": 600,
             },
         )
     )
@@ -448,4 +464,8 @@ def test_the_schema_accepts_every_monitoring_setting(chart: helm_python.Chart):
         "stuckBindingMinutes": 15,
         "poolFullRatio": 0.9,
         "certificateExpiryDays": 14,
+        "databaseDownMinutes": 2,
+        "operatorDownMinutes": 5,
+        "reconcilerLagSeconds": 60,
+        "outboxLagSeconds": 300,
     }

@@ -135,6 +135,7 @@ def make_app(
     app[DOCUMENT] = json.dumps(openapi.document()).encode()
     app[METRICS_TOKEN] = metrics_token or None
     app[COUNTS] = metrics.CachedCounts(service.counts, max_age_seconds=metrics_max_age_seconds)
+    app.on_startup.append(_start_counts)
     for op in operations.OPERATIONS:
         app.router.add_post(op.path, _handler(op), name=op.name)
     app.router.add_get(f"{operations.PREFIX}/openapi.json", _openapi)
@@ -317,6 +318,14 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
     if ready:
         return web.json_response({"status": "ready"})
     return web.json_response({"status": "not ready"}, status=503)
+
+
+async def _start_counts(app: web.Application) -> None:
+    # Where the events stand at start: the waits that end before the first scrape are counted.
+    try:
+        await app[COUNTS].start()
+    except StoreError as e:
+        log.warning("metrics: cannot read counts at start (the first scrape will): %s", e)
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:

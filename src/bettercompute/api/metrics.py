@@ -29,9 +29,12 @@ What is measured:
   far by the usage ledger (a GPU 1, a MIG instance 1/7, a slot 1/replicas), read the same way.
   A counter whose value is the ledger's own total, so every replica reports the same figure
   and a restart does not reset it: aggregate it with ``max``, not ``sum``, across replicas.
+* ``bettercompute_work_queue_lag_seconds{lane}`` and ``bettercompute_outbox_lag_seconds
+  {subscriber}``: how long the oldest due wake-up of a lane, and the oldest event a subscriber
+  has not handled, have waited; read the same way (the reconciler and outbox alerts).
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
 * ``bettercompute_webhook_certificate_expiry_timestamp_seconds``: told by the operator, which
-  serves the admission webhook.
+  serves the admission webhook; absent (never 0) where no certificate is known.
 
 This module must never read the database itself: the app hands it the figures, or the reader.
 """
@@ -53,7 +56,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from bettercompute.core import states
@@ -149,11 +152,8 @@ class Metrics:
             buckets=_WAIT_BUCKETS,
             registry=self.registry,
         )
-        self.certificate_expiry = Gauge(
-            "bettercompute_webhook_certificate_expiry_timestamp_seconds",
-            "When the admission webhook's serving certificate expires (unix time).",
-            registry=self.registry,
-        )
+        self.certificate_expiry = _CertificateExpiry()
+        self.registry.register(self.certificate_expiry)
         #: The newest wait observed: a cached read handed out again observes nothing twice.
         self._waits_seen = 0
         self.work_queued = Gauge(
@@ -164,6 +164,20 @@ class Metrics:
         self.work_due = Gauge(
             "bettercompute_work_queue_due",
             "Reconciler wake-ups already due (a growing figure: the reconciler lags).",
+            registry=self.registry,
+        )
+        self.work_lag = Gauge(
+            "bettercompute_work_queue_lag_seconds",
+            "How long the oldest due reconciler wake-up of a lane has been due (0: none due):"
+            " lifecycle (starts, node reports, deadlines) or retry (pending placements).",
+            ["lane"],
+            registry=self.registry,
+        )
+        self.outbox_lag = Gauge(
+            "bettercompute_outbox_lag_seconds",
+            "How long the oldest event an outbox subscriber has not handled yet has waited"
+            " (0: caught up), by subscriber.",
+            ["subscriber"],
             registry=self.registry,
         )
         self.billed = _Billed()
@@ -208,11 +222,17 @@ class Metrics:
                 self._waits_seen = wait.event_id
         self.work_queued.set(figures.work_queued)
         self.work_due.set(figures.work_due)
+        for lane, seconds in figures.work_lag.items():
+            self.work_lag.labels(lane=lane).set(seconds)
+        for subscriber, seconds in figures.outbox_lag.items():
+            self.outbox_lag.labels(subscriber=subscriber).set(seconds)
         self.billed.figures = dict(figures.billed)
         self.database_up.set(1)
 
-    def certificate_expires(self, epoch_s: float) -> None:
-        self.certificate_expiry.set(epoch_s)
+    def certificate_expires(self, epoch_s: float | Callable[[], float | None]) -> None:
+        """When the webhook's certificate expires: a time, or a function read at each scrape
+        (``None`` from it: not known now, and the series is absent)."""
+        self.certificate_expiry.expires = epoch_s
 
     def database_down(self) -> None:
         self.database_up.set(0)
@@ -247,13 +267,44 @@ class _Billed(Collector):
         )
 
 
+class _CertificateExpiry(Collector):
+    """The webhook certificate's expiry, exported only while it is known.
+
+    Why not a plain Gauge: a Gauge exports 0 from the start, in every process that has the
+    metric (the dev server, an operator that serves no webhook), and 0 reads as "expired in
+    1970": the shipped critical alert fired on any of them. Absent when unknown, never 0."""
+
+    def __init__(self) -> None:
+        self.expires: float | Callable[[], float | None] | None = None
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> list[Metric]:
+        family = self._family()
+        value = self.expires() if callable(self.expires) else self.expires
+        if value is not None and value > 0:
+            family.add_metric([], value)
+        return [family]
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "bettercompute_webhook_certificate_expiry_timestamp_seconds",
+            "When the admission webhook's serving certificate expires (unix time); absent"
+            " while this process does not know one.",
+        )
+
+
 class CachedCounts:
     """The database's counts, read by ``read_counts`` at most once per ``max_age_seconds``.
 
     A failed read is not cached: the next scrape tries again (and reports the database down
     meanwhile). Scrapes that arrive while a read is in flight wait for that read. Each read
-    asks for the waits that ended after the newest event the previous one saw (the first asks
-    for none: a process observes the waits that end while it runs, not all history)."""
+    asks for the waits that ended after the newest event the previous one saw. ``start`` (at
+    the app's start) reads where the events stand, so the first scrape observes every wait that
+    ended since: a process observes the waits that end while it runs, not all history, and not
+    only those after its first scrape (before ``start`` existed, those were lost)."""
 
     def __init__(
         self, read_counts: Callable[[int | None], Awaitable[Stats]], *, max_age_seconds: float
@@ -263,6 +314,14 @@ class CachedCounts:
         self._figures: Stats | None = None
         self._read_at = 0.0
         self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Read where the events stand now; the next ``read`` reads again, with the waits since.
+        A store error is left to the first scrape (which then starts from there)."""
+        async with self._lock:
+            if self._figures is None:
+                self._figures = await self._read_counts(None)
+                self._read_at = float("-inf")  # stale at once: the first scrape reads again
 
     async def read(self) -> Stats:
         async with self._lock:

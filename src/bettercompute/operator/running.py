@@ -350,11 +350,12 @@ async def started(
                 app[METRICS].certificate_expires(expires)
         if kept is not None:
             held = kept
-            app[METRICS].certificate_expiry.set_function(
+            # None while no certificate is held: the series is absent, never 0 ("expired").
+            app[METRICS].certificate_expires(
                 lambda: (
                     held.current.serving().not_valid_after_utc.timestamp()
                     if held.current is not None
-                    else 0.0
+                    else None
                 )
             )
         runner = serving.Runner(app)

@@ -1,6 +1,7 @@
 """Figures for the metrics endpoint: reservations by pool and state, devices by pool, model and
-state, quota by tenant and resource, the work queue, the waits that ended since last read, and
-the GPU-seconds billed so far by pool and tenant (``store.usage.billed_totals``).
+state, quota by tenant and resource, the work queue and its lag per lane, each outbox
+subscriber's lag, the waits that ended since last read, and the GPU-seconds billed so far by
+pool and tenant (``store.usage.billed_totals``).
 
 Why here: ``/metrics`` shows the state of the system, not only what one process saw, and the
 database is where that state lives. Read at scrape time, so the figures are never stale and no
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bettercompute.store import capacity, quotas, usage
+from bettercompute.store import capacity, quotas, reconciling, usage
 from bettercompute.store.database import Database, script
+from bettercompute.store.outbox import FRONTIER
 
 #: How many ended waits one read takes at most (a backlog is read over several scrapes).
 WAITS_PER_READ = 5000
@@ -51,16 +53,34 @@ class Stats:
     last_event_id: int = 0
     #: GPU-equivalent seconds billed so far per (pool, tenant): only grows.
     billed: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: Per work-queue lane (``lifecycle``, ``retry``): how long its oldest due wake-up has
+    #: been due, in seconds (0 when none is due). The reconciler's lag.
+    work_lag: dict[str, float] = field(default_factory=dict)
+    #: Per outbox subscriber (its cursor): how long the oldest event it has not handled yet
+    #: has waited, in seconds (0 when it is caught up). Delivery's lag.
+    outbox_lag: dict[str, float] = field(default_factory=dict)
 
 
+# The newest event id is the outbox's frontier, not max(id): an event below max(id) may still
+# commit, and a wait it ends must not be skipped by the next read (store/outbox.py).
 _COUNTS = (
     "SELECT pool_id, state, count(*) AS n FROM reservations GROUP BY pool_id, state;"
     " SELECT count(*) AS queued,"
     "        count(*) FILTER (WHERE due_at <= compute_now()) AS due FROM work_queue;"
-    " SELECT coalesce(max(id), 0) AS last FROM outbox"
+    f" SELECT {FRONTIER} AS last;"
+    " SELECT coalesce(extract(epoch FROM compute_now() - min(due_at)"
+    f"          FILTER (WHERE {reconciling.NOT_RETRY})), 0) AS lifecycle,"
+    "        coalesce(extract(epoch FROM compute_now() - min(due_at)"
+    f"          FILTER (WHERE NOT {reconciling.NOT_RETRY})), 0) AS retry"
+    "   FROM work_queue WHERE due_at <= compute_now();"
+    f" WITH f AS (SELECT {FRONTIER} AS id)"
+    " SELECT c.subscriber, coalesce(extract(epoch FROM compute_now() - (SELECT o.created_at"
+    "          FROM outbox o WHERE o.id > c.last_id AND o.id <= f.id ORDER BY o.id LIMIT 1)), 0)"
+    "        AS lag"
+    "   FROM outbox_cursors c, f"
 )
 
-_WAITS = """
+_WAITS = f"""
     SELECT o.id, o.type, r.pool_id,
            extract(epoch FROM o.created_at - r.created_at) AS since_created,
            extract(epoch FROM o.created_at
@@ -68,7 +88,8 @@ _WAITS = """
                AS since_due
       FROM outbox o
       JOIN reservations r ON o.subject = 'reservation/' || r.id
-     WHERE o.id > %s AND o.type IN ('reservation.placed', 'reservation.active')
+     WHERE o.id > %s AND o.id <= {FRONTIER}
+       AND o.type IN ('reservation.placed', 'reservation.active')
      ORDER BY o.id
      LIMIT %s
 """
@@ -78,7 +99,7 @@ async def read(db: Database, *, waits_after: int | None = None) -> Stats:
     """The figures now; ``waits_after`` (an event id) also reads the waits that ended since
     (``None``: none, only where the events stand now)."""
     async with db.connection() as conn:
-        by_state, [queue], [last] = await script(conn, _COUNTS)
+        by_state, [queue], [last], [lag], outbox_lag = await script(conn, _COUNTS)
         waits: list[Wait] = []
         if waits_after is not None:
             rows = await (await conn.execute(_WAITS, (waits_after, WAITS_PER_READ))).fetchall()
@@ -115,4 +136,6 @@ async def read(db: Database, *, waits_after: int | None = None) -> Stats:
         waits=waits,
         last_event_id=newest,
         billed=await usage.billed_totals(db),
+        work_lag={"lifecycle": float(lag["lifecycle"]), "retry": float(lag["retry"])},
+        outbox_lag={str(r["subscriber"]): max(float(r["lag"]), 0.0) for r in outbox_lag},
     )
