@@ -323,7 +323,30 @@ def test_the_default_limits_are_the_documented_ones():
         keepalive_timeout=15.0,
         max_connections=512,
         shutdown_timeout=1.0,
+        max_connections_per_address=128,
+        max_requests_per_address=64,
+        max_requests_per_token=32,
+        max_streams_per_address=32,
+        max_streams_per_token=8,
+        max_stream_seconds=900.0,
     )
+
+
+def test_the_limits_are_read_from_the_environment():
+    limits = HttpLimits.from_environ(
+        {"BCD_HTTP_MAX_STREAMS_PER_TOKEN": "16", "BCD_HTTP_MAX_STREAM_SECONDS": "60"}
+    )
+    assert (limits.max_streams_per_token, limits.max_stream_seconds) == (16, 60.0)
+    assert (
+        HttpLimits.from_environ({"BCD_HTTP_MAX_REQUESTS_PER_ADDRESS": "0"}).max_requests_per_address
+        == 0
+    )
+    for variable, text in (
+        ("BCD_HTTP_MAX_STREAMS_PER_TOKEN", "lots"),
+        ("BCD_HTTP_HEADER_TIMEOUT", "0"),
+    ):
+        with pytest.raises(ValueError, match=variable):
+            HttpLimits.from_environ({variable: text})
 
 
 # --- JSON parsed on the event loop -------------------------------------------------------------

@@ -68,7 +68,7 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from bettercompute.api import errors, metrics, openapi, operations
+from bettercompute.api import errors, fairness, metrics, openapi, operations, serving
 from bettercompute.core import ids, ports
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.iam.identities import CachingAuthenticator
@@ -136,13 +136,15 @@ def make_app(
     app[METRICS_TOKEN] = metrics_token or None
     app[COUNTS] = metrics.CachedCounts(service.counts, max_age_seconds=metrics_max_age_seconds)
     app.on_startup.append(_start_counts)
+    # Each client's share of the server; ``serving.Runner`` puts its own limits in their place.
+    serving.install(app, serving.HttpLimits())
     for op in operations.OPERATIONS:
         app.router.add_post(op.path, _handler(op), name=op.name)
     app.router.add_get(f"{operations.PREFIX}/openapi.json", _openapi)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get(f"{operations.PREFIX}/events/watch", _watch_events)
+    app.router.add_get(f"{operations.PREFIX}/events/watch", _watch_events, name=WATCH)
     return app
 
 
@@ -253,6 +255,10 @@ def _no_constant(name: str) -> Any:
 
 #: A comment line this often keeps proxies and our own idle timeout from closing a quiet stream.
 EVENTS_PING_S = 15.0
+#: The route name of the stream: counted as a stream, not a request (``api.fairness``).
+WATCH = "events.watch"
+#: How soon a client whose stream reached its lifetime should come back (SSE ``retry``).
+RECONNECT_MS = 500
 
 
 async def _watch_events(request: web.Request) -> web.StreamResponse:
@@ -271,9 +277,15 @@ async def _watch_events(request: web.Request) -> web.StreamResponse:
         if not after_text.isascii() or not after_text.isdigit() or len(after_text) > 18:
             raise errors.invalid_input(field, "must be an event id (digits)")
         after = int(after_text)
-    batches = request.app[SERVICE].watch_events(caller, tenant_id=tenant_id, after=after)
+    service = request.app[SERVICE]
+    # The stream's position is always known (from now: the newest event's id), so that a
+    # stream ended for its age can tell the client where to resume.
+    position = after if after is not None else await service.latest_event_id()
+    batches = service.watch_events(caller, tenant_id=tenant_id, after=position)
+    lifetime = request.app[serving.STREAM_SECONDS]
     try:
         first = await anext(batches)  # the pre-check runs here, before anything is streamed
+        ends = asyncio.get_running_loop().time() + lifetime
         stream: EventSourceResponse
         async with sse_response(request, ping_interval=EVENTS_PING_S) as stream:
             batch: list[dict[str, Any]] = first
@@ -282,6 +294,13 @@ async def _watch_events(request: web.Request) -> web.StreamResponse:
             while stream.is_connected() and not _gone(request):
                 for event in batch:
                     await stream.send(json.dumps(event), id=str(event["id"]), event=event["type"])
+                    position = int(event["id"])
+                if asyncio.get_running_loop().time() >= ends:
+                    # No stream lives for ever (a client could hold its share for good): this
+                    # one ends cleanly, with a message of no data that sets the client's last
+                    # event id to where it stands, so its reconnect misses nothing.
+                    await stream.write(f"id: {position}\nretry: {RECONNECT_MS}\n\n".encode())
+                    break
                 batch = await anext(batches)
     finally:
         await batches.aclose()
@@ -365,8 +384,17 @@ async def _pipeline(request: web.Request, handler: Handler) -> web.StreamRespons
     started = time.perf_counter()
     outcome = "ok"
     try:
-        response = await handler(request)
+        # This client's share (``api.fairness``): over it, this request alone is refused.
+        with request.app[serving.SHARES].hold(
+            address=request.remote or "",
+            token=fairness.token_key(request.headers.get("Authorization", "")),
+            stream=request.match_info.route.name == WATCH,
+        ):
+            response = await handler(request)
         outcome = request.get(_OUTCOME_KEY, "ok")
+    except fairness.OverShare as e:
+        log.info("request %s refused: %s", request_id, e)
+        response, outcome = _over_share(e), errors.TOO_MANY_REQUESTS
     except errors.Refusal as e:
         response, outcome = e.response(), e.code
     except ComputeError as e:
@@ -426,6 +454,16 @@ def _internal(request_id: str) -> web.Response:
         code=errors.INTERNAL,
         message=f"internal error; quote request id {request_id} when reporting it",
         details={"requestId": request_id},
+    )
+
+
+def _over_share(over: fairness.OverShare) -> web.Response:
+    return errors.answer(
+        status=429,
+        code=errors.TOO_MANY_REQUESTS,
+        message=f"{over}; retry shortly",
+        details={"limit": over.limit, "by": over.by, "retryAfterSeconds": 1},
+        headers={"Retry-After": "1"},
     )
 
 

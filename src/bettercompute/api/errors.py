@@ -30,6 +30,8 @@ from bettercompute.core.errors import ComputeError, ErrorCode
 
 INTERNAL = "INTERNAL"
 UNAVAILABLE = "UNAVAILABLE"
+#: A client over its share of the server (``api.fairness``): 429 with ``Retry-After``.
+TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
 
 #: The ``Server`` header of every answer: a name, never a version of Python or aiohttp.
 SERVER = "better-compute"
@@ -49,7 +51,12 @@ STATUS: Mapping[ErrorCode, int] = {
 }
 
 #: Every code an error answer may carry.
-CODES: tuple[str, ...] = (*(c.value for c in ErrorCode), INTERNAL, UNAVAILABLE)
+CODES: tuple[str, ...] = (
+    *(c.value for c in ErrorCode),
+    INTERNAL,
+    UNAVAILABLE,
+    TOO_MANY_REQUESTS,
+)
 
 
 class Refusal(Exception):

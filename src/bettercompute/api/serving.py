@@ -18,9 +18,22 @@ and its ``Server`` header names the Python and aiohttp versions. ``Runner`` is a
                                       requests) is closed (aiohttp's own timer)
 ``max_connections``         512       a connection beyond it is answered 503 ``UNAVAILABLE``
                                       with ``Retry-After: 1`` and closed at once
+``max_connections_per_      128       one remote address's connection beyond it: answered 429
+address``                             ``TOO_MANY_REQUESTS``, ``Retry-After: 1``, and closed
+``max_requests_per_         64        requests in flight from one address (``api.fairness``);
+address``                             one more is answered 429 with ``Retry-After: 1``
+``max_requests_per_token``  32        the same, by bearer token
+``max_streams_per_address`` 32        ``events/watch`` streams open from one address; 429
+``max_streams_per_token``   8         the same, by bearer token
+``max_stream_seconds``      900 s     a stream this old ends cleanly: the client reconnects
+                                      with ``Last-Event-ID`` and resumes where it was
 ``shutdown_timeout``        1 s       on stop, requests in flight get this long to finish, then
                                       are cancelled (and get as long again to unwind)
 ==========================  ========  ==========================================================
+
+Each limit can be set from the environment, ``BCD_HTTP_`` and the field's name in capitals
+(``BCD_HTTP_MAX_STREAMS_PER_TOKEN=16``; ``HttpLimits.from_environ``); 0 turns a per-client
+cap off.
 
 Usage (a drop-in for ``web.AppRunner(app, access_log=None)``)::
 
@@ -41,8 +54,10 @@ the parsed requests waiting; ``_kwargs`` of its ``Server``; ``_loop``); aiohttp 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +65,7 @@ from aiohttp import web, web_protocol
 from aiohttp.streams import StreamReader
 from aiohttp.web_request import BaseRequest
 
-from bettercompute.api import errors
+from bettercompute.api import errors, fairness
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,59 @@ class HttpLimits:
     keepalive_timeout: float = 15.0
     max_connections: int = 512
     shutdown_timeout: float = 1.0
+    # Each client's share (``api.fairness``): well under the whole, so that no one client,
+    # nor a few, can hold every connection; 0 is no cap.
+    max_connections_per_address: int = 128
+    max_requests_per_address: int = 64
+    max_requests_per_token: int = 32
+    max_streams_per_address: int = 32
+    max_streams_per_token: int = 8
+    max_stream_seconds: float = 900.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> HttpLimits:
+        """The defaults, with each ``BCD_HTTP_<FIELD>`` that is set; ``ValueError`` naming the
+        variable when its value is not a number of the field's kind."""
+        values: dict[str, Any] = {}
+        for item in dataclasses.fields(cls):
+            variable = f"{ENV_PREFIX}{item.name.upper()}"
+            text = (environ.get(variable) or "").strip()
+            if not text:
+                continue
+            integral = item.type in (int, "int")
+            try:
+                value: float = int(text) if integral else float(text)
+            except ValueError:
+                value = float("nan")
+            per_client = item.name.endswith(("_per_address", "_per_token"))
+            if not (value >= 0 if per_client else value > 0) or value == float("inf"):
+                kind = "a whole number" if integral else "a number of seconds"
+                floor = "0 or more" if per_client else "above 0"
+                raise ValueError(f"{variable} must be {kind}, {floor}, not {text!r}")
+            values[item.name] = value
+        return cls(**values)
+
+    def client_shares(self) -> fairness.ClientShares:
+        return fairness.ClientShares(
+            requests_per_address=self.max_requests_per_address,
+            requests_per_token=self.max_requests_per_token,
+            streams_per_address=self.max_streams_per_address,
+            streams_per_token=self.max_streams_per_token,
+        )
+
+
+#: The prefix of the environment variables ``HttpLimits.from_environ`` reads.
+ENV_PREFIX = "BCD_HTTP_"
+#: Where ``Runner`` puts what the app's pipeline needs of its limits.
+SHARES = web.AppKey("client_shares", fairness.ClientShares)
+STREAM_SECONDS = web.AppKey("max_stream_seconds", float)
+
+
+def install(app: web.Application, limits: HttpLimits) -> None:
+    """Give ``app``'s pipeline the per-client shares and stream lifetime of ``limits``
+    (``make_app`` installs the defaults, ``Runner`` its own)."""
+    app[SHARES] = limits.client_shares()
+    app[STREAM_SECONDS] = limits.max_stream_seconds
 
 
 class Runner(web.AppRunner):
@@ -79,6 +147,7 @@ class Runner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, limits: HttpLimits | None = None) -> None:
         self.limits = limits or HttpLimits()
+        install(app, self.limits)
         super().__init__(
             app,
             access_log=None,
@@ -105,6 +174,7 @@ class _GuardedServer(web.Server):
         )
         self.limits = limits
         self.open_connections = 0
+        self.by_address = fairness.Shares(limits.max_connections_per_address)
 
     def __call__(self) -> web_protocol.RequestHandler:
         return _GuardedConnection(self, loop=self._loop, **self._kwargs)
@@ -119,6 +189,7 @@ class _GuardedConnection(web_protocol.RequestHandler):
         self._server = server
         self._limits = server.limits
         self._admitted = False
+        self._address = ""
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         # The body of the last request whose headers arrived: bytes that come while it is not
@@ -140,7 +211,35 @@ class _GuardedConnection(web_protocol.RequestHandler):
             )
             transport.close()
             return
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self._server.by_address.has_room(address):
+            # This client's share, not the server, is full: it alone is told to wait.
+            log.info(
+                "over %d connections from one address: refused one",
+                self._limits.max_connections_per_address,
+            )
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(
+                errors.raw_answer(
+                    status=429,
+                    code=errors.TOO_MANY_REQUESTS,
+                    message=(
+                        f"too many connections from this address (at most "
+                        f"{self._limits.max_connections_per_address}); retry shortly"
+                    ),
+                    details={
+                        "limit": self._limits.max_connections_per_address,
+                        "retryAfterSeconds": 1,
+                    },
+                    headers={"Retry-After": "1"},
+                )
+            )
+            transport.close()
+            return
         self._admitted = True
+        self._address = address
+        self._server.by_address.take(address)
         self._server.open_connections += 1
         super().connection_made(transport)
 
@@ -149,6 +248,7 @@ class _GuardedConnection(web_protocol.RequestHandler):
             return
         self._admitted = False
         self._server.open_connections -= 1
+        self._server.by_address.give_back(self._address)
         self._cancel_timers()
         super().connection_lost(exc)
 

@@ -19,6 +19,7 @@ same key, which the command owns), print anything, or let an ``httpx`` exception
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,26 +112,42 @@ class ApiClient:
 
     def events(self, tenant_id: str, *, after: int | None = None) -> Iterator[dict[str, Any]]:
         """The tenant's events as the server streams them (``GET events/watch``), forever;
-        resumed after event ``after`` when given. A refusal is a ``Failure``, as for ``call``."""
+        resumed after event ``after`` when given. A refusal is a ``Failure``, as for ``call``.
+
+        The server ends a stream when it reaches its lifetime, after a message of no data whose
+        id is where the stream stood: this reconnects at once with that ``Last-Event-ID``, so
+        nothing is missed and nothing comes twice."""
         target = self.url + API_PREFIX + "events/watch"
-        headers = {"Last-Event-ID": str(after)} if after is not None else {}
         # No read timeout: a quiet stream is kept open by the server's comment pings.
         timeout = httpx.Timeout(None, connect=5.0)
+        last = after
         try:
-            with connect_sse(
-                self._http,
-                "GET",
-                target,
-                params={"tenantId": tenant_id},
-                headers=headers,
-                timeout=timeout,
-            ) as source:
-                if source.response.status_code != 200:
-                    source.response.read()
-                    self._read(source.response)  # raises the refusal
-                for message in source.iter_sse():
-                    if message.data:
-                        yield json.loads(message.data)
+            while True:
+                headers = {"Last-Event-ID": str(last)} if last is not None else {}
+                pause_ms = 0
+                with connect_sse(
+                    self._http,
+                    "GET",
+                    target,
+                    params={"tenantId": tenant_id},
+                    headers=headers,
+                    timeout=timeout,
+                ) as source:
+                    if source.response.status_code != 200:
+                        source.response.read()
+                        self._read(source.response)  # raises the refusal
+                    for message in source.iter_sse():
+                        if message.id and message.id.isascii() and message.id.isdigit():
+                            last = int(message.id)
+                        if message.retry is not None:
+                            pause_ms = message.retry
+                        if message.data:
+                            yield json.loads(message.data)
+                if last is None:
+                    # Ended before it said where it stood: resuming "from now" could miss
+                    # events, so say so instead.
+                    raise httpx.RemoteProtocolError("the stream ended")
+                time.sleep(min(pause_ms, 5000) / 1000)
         except httpx.ConnectError as e:
             raise self._unreachable(str(e) or "connection failed") from None
         except httpx.TransportError as e:

@@ -240,6 +240,7 @@ async def started(
         _check_port(host, port)
     try:
         limits = backing.limits_from_environ(os.environ)
+        http_limits = serving.HttpLimits.from_environ(os.environ)
     except ValueError as e:
         raise DevError(str(e)) from None
     if database_url is not None and fresh:
@@ -326,7 +327,7 @@ async def started(
             ready=ready,
             metrics_token=serving.metrics_token_from_env(),
         )
-        runner = serving.Runner(app)
+        runner = serving.Runner(app, limits=http_limits)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, host, port)

@@ -358,7 +358,11 @@ async def started(
                     else None
                 )
             )
-        runner = serving.Runner(app)
+        try:
+            http_limits = serving.HttpLimits.from_environ(os.environ)
+        except ValueError as e:
+            raise OperatorError(str(e)) from None
+        runner = serving.Runner(app, limits=http_limits)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, config.http_host, config.http_port)

@@ -813,6 +813,10 @@ class ReservationService:
             "quotas": await quotas.of_tenant(self.db, tenant_id=value.tenantId),
         }
 
+    async def latest_event_id(self) -> int:
+        """The newest event's id (0 when none): where a watch "from now" starts."""
+        return await outbox.latest_id(self.db)
+
     async def watch_events(
         self,
         caller: ports.Caller,
