@@ -204,3 +204,11 @@ async def test_the_operator_connects_with_the_parts_alone(
             assert (await cur.fetchone())["n"] > 0  # migrated at open, as at the operator's start
     finally:
         await db.close()
+
+
+def test_internal_webhook_receivers_reach_the_operator_only_when_listed(
+    defaults: rendering.Rendered, render: Callable
+):
+    assert "BCD_EVENT_WEBHOOK_ALLOW" not in _env(defaults)
+    rendered = render({"operator": {"eventWebhookAllow": ["10.20.0.0/16", "hooks.internal"]}})
+    assert _env(rendered)["BCD_EVENT_WEBHOOK_ALLOW"] == "10.20.0.0/16 hooks.internal"
