@@ -344,28 +344,36 @@ class ControlPlane:
         *,
         content_type: str = "application/json",
         token: str | None = None,
+        client: pki.Pair | None = None,
     ) -> Any:
-        """One call; the decoded answer. A non-2xx answer raises ``ApiError``.
+        """One call, as the admin unless a ``token`` or ``client`` certificate says who; the
+        decoded answer. A non-2xx answer raises ``ApiError``.
 
         A 429 (a CRD's storage still initializing, priority and fairness shedding) is tried
         again after its ``Retry-After``, for up to 30 s, as client-go does."""
         deadline = time.monotonic() + 30
         while True:
             try:
-                return self._request_once(method, path, body, content_type, token)
+                return self._request_once(method, path, body, content_type, token, client)
             except ApiError as e:
                 if e.status != 429 or time.monotonic() > deadline:
                     raise
                 time.sleep(min(1.0, max(0.1, e.retry_after)))
 
     def _request_once(
-        self, method: str, path: str, body: Any, content_type: str, token: str | None
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        content_type: str,
+        token: str | None,
+        client: pki.Pair | None,
     ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
-        context = self.ssl_context(client=None if token else self.admin)
+        context = self.ssl_context(client=None if token else client or self.admin)
         call = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(call, context=context, timeout=30) as response:

@@ -104,6 +104,9 @@ async def tenant_namespace(plane: ControlPlane, namespace: str, *, tenant: str, 
     }
     await asyncio.to_thread(plane.apply, role)
     await asyncio.to_thread(plane.apply, binding)
+    # The ServiceAccount admission plugin refuses pods until the controller-manager has made
+    # the namespace's default service account.
+    await wait_for(plane, f"/api/v1/namespaces/{namespace}/serviceaccounts/default", bool)
 
 
 async def pool_with_nodes(

@@ -552,11 +552,6 @@ def run(
     api_token: Annotated[
         str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
     ] = None,
-    node_agent_service_account: Annotated[
-        str,
-        typer.Option(
-            envvar="BCD_NODE_AGENT_SERVICE_ACCOUNT",
-            help="The node agent's service account in the operator's namespace: only its "
     api_ca: Annotated[
         Path | None,
         typer.Option(
@@ -565,6 +560,11 @@ def run(
             "system's trust store.",
         ),
     ] = None,
+    node_agent_service_account: Annotated[
+        str,
+        typer.Option(
+            envvar="BCD_NODE_AGENT_SERVICE_ACCOUNT",
+            help="The node agent's service account in the operator's namespace: only its "
             "node-bound tokens get node certificates.",
         ),
     ] = "better-compute-device-plugin",
@@ -656,12 +656,12 @@ def run(
         standalone=standalone,
         api_server=api_server,
         api_token=api_token,
+        api_ca=api_ca,
         node_agent_service_account=node_agent_service_account,
         node_certificate_lifetime=dt.timedelta(hours=node_certificate_lifetime_hours),
         node_certificate_grace_s=node_certificate_grace_minutes * 60,
         node_ca_secret=node_ca_secret,
         node_ca_create=node_ca_create,
-        api_ca=api_ca,
         node_certificates=node_certificates,
         pool_status_s=pool_status_s,
         event_webhook_allow=tuple(event_webhook_allow or ()),
