@@ -167,10 +167,11 @@ async def test_a_node_cannot_write_another_nodes_pod(cluster: Cluster, real_oper
     with pytest.raises(ApiError) as refused:
         await intruder.run_pod("ml", "trainer")
     assert refused.value.status == 403
-    with pytest.raises(ApiError) as refused_node:
-        intruder.name, own = node.name, intruder.name
-        try:
+    # The intruder's credentials, writing the reservation's node's status.
+    intruder.name, own = node.name, intruder.name
+    try:
+        with pytest.raises(ApiError) as refused_node:
             await intruder.advertise(resource, {"GPU-9": HEALTHY})
-        finally:
-            intruder.name = own
+    finally:
+        intruder.name = own
     assert refused_node.value.status == 403
