@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from bettercompute.operator import webhookcerts
+
 LIFETIME = dt.timedelta(days=1)
 
 
@@ -47,35 +49,16 @@ def _name(common_name: str, organizations: tuple[str, ...] = ()) -> x509.Name:
 class Authority:
     """One CA: the cluster's (serving and client certificates alike, as kubeadm's ``ca``)."""
 
-    def __init__(self, directory: Path, name: str = "better-compute-test-ca") -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
-        self._cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(name))
-            .issuer_name(_name(name))
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + LIFETIME)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .sign(self._key, hashes.SHA256())
+        # The operator's own CA maker: a self-signed EC CA, as the webhook certificates use.
+        cert_pem, key_pem = webhookcerts.new_authority(
+            now=dt.datetime.now(dt.UTC), lifetime=LIFETIME
         )
+        self._cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        self._key = key
         self.pair = self._write("ca", self._cert, self._key)
 
     @property
