@@ -155,3 +155,36 @@ def denied(error: BaseException) -> bool:
 
 def conditions(obj: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in ((obj or {}).get("status") or {}).get("conditions") or ()}
+
+
+async def node_policy_enforced(
+    plane: ControlPlane, *, namespace: str, account: str, timeout_s: float = 30.0
+) -> None:
+    """Until the API server enforces the chart's own-node admission policy.
+
+    The API server's policy plugin learns a new ValidatingAdmissionPolicy from its informer a
+    moment after the write; until then the policy lets everything through (a real cluster has
+    the same gap right after ``helm install``). A dry-run GPUNode create with a token of the
+    device plugin's account bound to no pod must be refused once the policy is in force."""
+    token = await asyncio.to_thread(plane.service_account_token, namespace, account)
+    probe = {
+        "apiVersion": "bcd.dev/v1alpha1",
+        "kind": "GPUNode",
+        "metadata": {"name": "policy-probe"},
+        "spec": {},
+    }
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await call(
+                plane, "POST", "/apis/bcd.dev/v1alpha1/gpunodes?dryRun=All", probe, token=token
+            )
+        except ApiError as e:
+            if e.status == 422:
+                return
+            raise
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the own-node admission policy is not enforced after {timeout_s} s"
+            )
+        await asyncio.sleep(0.1)

@@ -249,9 +249,12 @@ class NodePublisher:
                 await self._ensure()
             except KubeError as e:
                 delay = self.backoff.next()
+                # A refusal (RBAC, the own-node admission policy) is not an outage: say which,
+                # so whoever reads the log looks at the token and the policy, not the network.
+                refused = 400 <= e.status < 500 and e.status != 429
                 log.warning(
-                    "cannot reach the Kubernetes API at %s to write GPUNode %s: %s; "
-                    "retrying in %.1fs",
+                    "%s the Kubernetes API at %s to write GPUNode %s: %s; retrying in %.1fs",
+                    "refused by" if refused else "cannot reach",
                     self.client.server,
                     self.node_name,
                     e,
