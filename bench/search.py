@@ -63,7 +63,8 @@ async def setup(db: Database, *, nodes: int, bookings: int, seed: int) -> None:
         )
     rng = random.Random(seed)
     per_atom = max(1, bookings // (nodes * GPUS_PER_NODE))
-    async with db.transaction() as conn:
+    # A bulk load (every booking of the benchmark in one transaction): a bulk load's bound.
+    async with db.transaction(within_s=db.limits.bulk_s) as conn:
         atoms = await (
             await conn.execute(
                 "SELECT a.id, a.node_id, a.device_id FROM atoms a JOIN nodes n ON n.id = a.node_id"

@@ -17,6 +17,7 @@ pytest_plugins = [
     "tests.support.database",
     "tests.support.kubeserver",
     "tests.controlplane.plugin",
+    "tests.support.leftovers",
 ]
 
 ROOT = "root"

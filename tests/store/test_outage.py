@@ -13,6 +13,7 @@ and every create acknowledged before or during the outage is still there.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import shutil
 import signal
 import tempfile
@@ -36,6 +37,7 @@ from bettercompute.iam import identities, policies
 from bettercompute.service.events import EventDelivery
 from bettercompute.service.reconciling import Reconciler
 from bettercompute.service.reservations import ReservationService
+from bettercompute.store import batching
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database, Limits
 from bettercompute.store.embedded import EmbeddedPostgres
@@ -351,11 +353,41 @@ async def test_a_connection_use_is_cut_at_its_bound_and_never_reused(stack: Stac
             await conn.execute("SELECT 1")
 
 
+async def test_a_batch_is_bounded_as_a_batch_and_a_request_as_a_request(stack: Stack) -> None:
+    """One frozen second and a half: an interactive use (0.5 s bound here) is cut and answers
+    at once, while a placement batch, bounded as a batch (10 s here), waits it out and
+    commits. With one number for both, either requests wait as long as batches or batches
+    die with requests (as they did on a loaded machine, at 2.5 s)."""
+    db = await Database.open(stack.pg.dsn, limits=Limits(use_s=0.5, batch_s=10.0))
+    try:
+        epoch = await batching.take_lease(
+            db, pool_id=POOL, holder="bounds", ttl=dt.timedelta(minutes=5)
+        )
+        assert epoch is not None
+        with stack.frozen():
+            batch = asyncio.create_task(
+                batching.place_batch(db, pool_id=POOL, holder="bounds", epoch=epoch, max_batch=8)
+            )
+            began = time.monotonic()
+            with pytest.raises(StoreError, match=r"within 0\.5 s"):
+                async with db.connection() as conn:
+                    await conn.execute("SELECT 1")
+            assert time.monotonic() - began < 1.2
+            await asyncio.sleep(1.5)
+            assert not batch.done()
+        placed = await asyncio.wait_for(batch, 10)
+        assert placed is not None
+    finally:
+        await db.close()
+
+
 def test_limits_come_from_the_environment_and_a_bad_one_is_named() -> None:
     limits = Limits.from_environ({"BCD_DB_TIMEOUT_S": "1.5", "BCD_DB_CONNECT_TIMEOUT_S": "1"})
     assert limits.use_s == 1.5
     assert limits.connect_s == 2  # libpq's least
     assert Limits.from_environ({}) == Limits()
+    by_kind = Limits.from_environ({"BCD_DB_BATCH_TIMEOUT_S": "20", "BCD_DB_BULK_TIMEOUT_S": "600"})
+    assert (by_kind.use_s, by_kind.batch_s, by_kind.bulk_s) == (2.5, 20.0, 600.0)
     with pytest.raises(ValueError, match="BCD_DB_TIMEOUT_S must be a number of seconds"):
         Limits.from_environ({"BCD_DB_TIMEOUT_S": "soon"})
     with pytest.raises(ValueError, match="BCD_DB_STATEMENT_TIMEOUT_S"):

@@ -40,9 +40,6 @@ from bettercompute.store import journal, placing, preempting, views
 from bettercompute.store import pools as pool_rows
 from bettercompute.store.database import Conn, Database, Row
 
-#: A batch transaction may run longer than a create's (hundreds of reservations in one).
-BATCH_WITHIN_S = 15.0
-
 # What waits for the batch: the queued reservations and the requeued ones (retries handed over by
 # the reconciler, migration 0014), each set found through its own index, then one fair order.
 _WAITING = """
@@ -180,7 +177,8 @@ async def place_batch(
 async def _place_batch(
     db: Database, *, pool_id: str, holder: str, epoch: int, max_batch: int
 ) -> Batch:
-    async with db.transaction(within_s=BATCH_WITHIN_S) as conn:
+    # A batch may run longer than a create (hundreds of reservations in one): its own bound.
+    async with db.transaction(within_s=db.limits.batch_s) as conn:
         # The pool lock, the lease and the queued rows in one round trip (pipelined, each
         # statement after the one before it): rows read by a holder that turns out fenced are
         # let go with the rollback.

@@ -4,8 +4,9 @@ Why a class and not a module-level pool: tests, the dev server and benchmarks ea
 own database, and several may live in one process; nothing here is a global singleton.
 
 Every use of a pooled connection is bounded (``Limits``, docs/operations.md): getting the
-connection and using it must end within ``use_s`` (2.5 s), or the connection is cut and the
-caller gets ``StoreError``, which the API answers with 503 ``UNAVAILABLE``. Why cut the socket
+connection and using it must end within the bound of what it is (an interactive request's
+``use_s``, 2.5 s, unless the caller names a batch's or a bulk load's), or the connection is
+cut and the caller gets ``StoreError``, which the API answers with 503 ``UNAVAILABLE``. Why cut the socket
 rather than cancel the task: cancelling a query makes psycopg send PostgreSQL a cancel request
 and wait for it (up to 10 s), and a frozen server answers neither; a socket shut down ends
 every wait on it at once, and the pool discards the closed connection, so nothing half-used is
@@ -54,6 +55,8 @@ LIMIT_VARIABLES: Mapping[str, str] = {
     "connect_s": "BCD_DB_CONNECT_TIMEOUT_S",
     "statement_s": "BCD_DB_STATEMENT_TIMEOUT_S",
     "idle_in_transaction_s": "BCD_DB_IDLE_IN_TRANSACTION_TIMEOUT_S",
+    "batch_s": "BCD_DB_BATCH_TIMEOUT_S",
+    "bulk_s": "BCD_DB_BULK_TIMEOUT_S",
 }
 
 
@@ -68,12 +71,20 @@ class Limits:
     session checks every second whether its client is still there, so the backend of a cut
     connection stops at once. Over TCP, keepalives and ``tcp_user_timeout`` notice a server
     that vanished from the network. A DSN that sets one of these libpq parameters itself wins.
+
+    Each operation is bounded by what it is, not by one number: ``use_s`` is an interactive
+    request's (a client waits on it; past it the answer is 503 and the client retries),
+    ``batch_s`` a placement batch's (hundreds of reservations in one transaction), ``bulk_s``
+    a bulk load's (seeding a world, a benchmark's fixtures: minutes of rows in one go).
+    Migrations run on a connection of their own, unbounded (``migrate``).
     """
 
     use_s: float = 2.5
     connect_s: int = 3
     statement_s: float = 30.0
     idle_in_transaction_s: float = 30.0
+    batch_s: float = 15.0
+    bulk_s: float = 300.0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Limits:
