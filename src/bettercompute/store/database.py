@@ -6,11 +6,11 @@ own database, and several may live in one process; nothing here is a global sing
 Every use of a pooled connection is bounded (``Limits``, docs/operations.md): getting the
 connection and using it must end within the bound of what it is (an interactive request's
 ``use_s``, 2.5 s, unless the caller names a batch's or a bulk load's), or the connection is
-cut and the caller gets ``StoreError``, which the API answers with 503 ``UNAVAILABLE``. Why cut the socket
-rather than cancel the task: cancelling a query makes psycopg send PostgreSQL a cancel request
-and wait for it (up to 10 s), and a frozen server answers neither; a socket shut down ends
-every wait on it at once, and the pool discards the closed connection, so nothing half-used is
-ever handed out again.
+cut and the caller gets ``StoreError``, which the API answers with 503 ``UNAVAILABLE``. Why
+cut the socket rather than cancel the task: cancelling a query makes psycopg send PostgreSQL
+a cancel request and wait for it (up to 10 s), and a frozen server answers neither; a socket
+shut down ends every wait on it at once, and the pool discards the closed connection, so
+nothing half-used is ever handed out again.
 
 What it must never do: return a connection to the pool in an unknown state, or let a psycopg
 exception reach the layers above.
