@@ -174,7 +174,9 @@ async def bench(args: argparse.Namespace) -> int:
     path = root / "dev.yaml"
     path.write_text(yaml.safe_dump(config(args.nodes), sort_keys=False))
     try:
-        async with running.started(port=0, sim=0, config=path, state_dir=root / "state") as dev:
+        async with running.started(
+            port=0, metrics_port=0, sim=0, config=path, state_dir=root / "state"
+        ) as dev:
             b = Bench(dev)
             # One GPU booked for hours: a request for the whole pool never fits.
             kept = await b.create(1, "8h")

@@ -356,6 +356,7 @@ class Server:
 
     def command(self) -> list[str]:
         common = ["--config", str(self.config), "--sim", str(self.sim), "--port", str(self.port)]
+        common += ["--metrics-port", "0"]
         if self.database_url:
             common += ["--database-url", self.database_url]
         script = Path(sys.executable).with_name("better-compute")

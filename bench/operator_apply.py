@@ -83,6 +83,8 @@ async def run(count: int, dsn: str, url: str) -> None:
         namespace=kubeworld.OPERATOR_NAMESPACE,
         http_host="127.0.0.1",
         http_port=0,
+        metrics_host="127.0.0.1",
+        metrics_port=0,
         webhook_host="127.0.0.1",
         webhook_port=_free_port(),
         standalone=True,

@@ -1,9 +1,11 @@
 """The real API over a real socket: ``make_app`` on 127.0.0.1 with a random port, in front of a
 ``ReservationService`` on the test PostgreSQL, called with httpx.
 
-``serve(...)`` starts an app behind ``api.serving.Runner``, as ``dev`` and the operator do (a
-different policy, authenticator, readiness check, body limit or HTTP limits when a test needs
-one; the ``/metrics`` counts are read afresh on each scrape unless a test asks otherwise);
+``serve(...)`` starts an app behind ``api.serving.Runner``, and its metrics app
+(``api.metrics_server``) on a port of its own, as ``dev`` and the operator do (a different
+policy, authenticator, readiness check, body limit or HTTP limits when a test needs one; the
+``/metrics`` counts are read afresh on each scrape unless a test asks otherwise). ``Api.client``
+calls the API's port, ``Api.metrics`` the metrics port;
 ``api`` is the default one: Cedar's ``DEFAULT_POLICIES`` (counted), the static tokens of
 alice@acme, bob@acme, gina@globex and root-ops@root, and a world with acme's pool of two 8-GPU
 nodes and a quota of 16 H100s.
@@ -20,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from bettercompute.api.app import make_app
+from bettercompute.api.metrics_server import make_metrics_app
 from bettercompute.api.serving import HttpLimits, Runner
 from bettercompute.core import ports
 from bettercompute.iam import identities
@@ -62,6 +65,8 @@ class Api:
     db: Database
     service: ReservationService
     policy: CountingPolicy
+    #: The metrics port's client: ``/metrics`` is served there, never on ``base``.
+    metrics: httpx.AsyncClient
     headers: dict[str, str] = field(default_factory=lambda: {"X-Better-Compute": "1"})
 
     async def call(
@@ -152,19 +157,25 @@ async def serve(db: Database) -> AsyncIterator[Serve]:
             authenticator=authenticator or identities.StaticTokenAuthenticator(TOKENS),
             ready=ready,
             max_body_bytes=max_body_bytes,
-            metrics_token=metrics_token,
-            metrics_max_age_seconds=metrics_max_age_seconds,
         )
+        base = await listen(app, limits)
+        metrics_app = make_metrics_app(
+            app, token=metrics_token, max_age_seconds=metrics_max_age_seconds
+        )
+        metrics_base = await listen(metrics_app, limits)
+        client = httpx.AsyncClient(base_url=base, timeout=30)
+        metrics = httpx.AsyncClient(base_url=metrics_base, timeout=30)
+        clients.extend((client, metrics))
+        return Api(base=base, client=client, db=db, service=service, policy=policy, metrics=metrics)
+
+    async def listen(app: web.Application, limits: HttpLimits | None) -> str:
         runner = Runner(app, limits=limits)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
-        base = f"http://{host}:{port}"
-        client = httpx.AsyncClient(base_url=base, timeout=30)
-        clients.append(client)
-        return Api(base=base, client=client, db=db, service=service, policy=policy)
+        return f"http://{host}:{port}"
 
     try:
         yield start

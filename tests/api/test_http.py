@@ -207,6 +207,7 @@ async def test_a_body_over_the_limit_is_413(db: Database, serve: Serve):
         ("POST", "/api/compute/reservations"),
         ("GET", "/nothing-here"),
         ("POST", "/api/compute/capacity/preview/x"),
+        ("GET", "/metrics"),  # on the metrics port only (tests/api/test_plain_routes.py)
     ],
 )
 async def test_an_unknown_route_is_a_json_404(api: Api, method: str, path: str):
@@ -222,7 +223,7 @@ async def test_an_unknown_route_is_a_json_404(api: Api, method: str, path: str):
         ("GET", "/api/compute/reservations/create", "POST"),
         ("PUT", "/api/compute/capacity/preview", "POST"),
         ("POST", "/healthz", "GET"),
-        ("DELETE", "/metrics", "GET"),
+        ("DELETE", "/readyz", "GET"),
     ],
 )
 async def test_a_wrong_method_is_a_json_405(api: Api, method: str, path: str, allowed: str):

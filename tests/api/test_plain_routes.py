@@ -1,4 +1,7 @@
-"""The routes without a credential: the OpenAPI document, health, readiness and metrics."""
+"""The routes without a credential: the OpenAPI document, health, readiness and metrics.
+
+Metrics are served on a port of their own (``api.metrics_server``, ``Api.metrics``), never on
+the API's (``Api.client``): their figures name every tenant."""
 
 from __future__ import annotations
 
@@ -149,8 +152,47 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+async def test_the_api_port_serves_no_metrics_to_anyone(api: Api):
+    await api.ok("reservations/create", create_body())
+    # The figures exist, every tenant's among them, on the metrics port...
+    figures = (await api.metrics.get("/metrics")).text
+    assert sample(figures, "bettercompute_quota_used", tenant="acme", resource="gpu:H100") == 4
+    assert sample(figures, "bettercompute_quota_limit", tenant="globex", resource="gpu:H100") == 8
+    # ...and a tenant asking the API's port for them, however it asks, finds no such route.
+    tenant = {**api.headers, "Authorization": "Bearer token-of-gina"}
+    for method, headers in (("GET", tenant), ("GET", {}), ("POST", tenant), ("HEAD", tenant)):
+        for path in ("/metrics", "/metrics/", "/api/compute/metrics"):
+            answer = await api.client.request(method, path, headers=headers)
+            assert answer.status_code == 404, (method, path, answer.status_code)
+            assert "bettercompute_" not in answer.text
+            assert "tenant=" not in answer.text
+            if method != "HEAD":
+                assert answer.json()["error"]["code"] == "NOT_FOUND"
+    document = (await api.client.get("/api/compute/openapi.json")).json()
+    assert not [path for path in document["paths"] if "metrics" in path]
+
+
+async def test_the_metrics_port_serves_metrics_and_nothing_else(api: Api):
+    for method, path in (
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("GET", "/api/compute/openapi.json"),
+        ("POST", "/api/compute/reservations/create"),
+        ("GET", "/api/compute/events/watch?tenantId=acme"),
+    ):
+        headers = {**api.headers, "Authorization": "Bearer token-of-alice"}
+        refused = await api.metrics.request(method, path, headers=headers, json=create_body())
+        assert refused.status_code == 404, (method, path)
+        assert refused.json()["error"]["code"] == "NOT_FOUND"
+        assert refused.headers["Server"] == errors.SERVER
+    wrong = await api.metrics.post("/metrics")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["details"]["field"] == "method"
+    assert (await api.metrics.get("/metrics")).headers["Server"] == errors.SERVER
+
+
 async def test_metrics_count_operations_and_read_the_database(api: Api):
-    before = await api.client.get("/metrics")
+    before = await api.metrics.get("/metrics")
     assert before.status_code == 200
     assert before.headers["Content-Type"].startswith("text/plain")
     text = before.text
@@ -191,7 +233,7 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
         status=404,
         code="NOT_FOUND",
     )
-    after = (await api.client.get("/metrics")).text
+    after = (await api.metrics.get("/metrics")).text
     assert sample(after, created, operation="reservations.create", outcome="placed") == 1
     assert sample(after, created, operation="reservations.get", outcome="NOT_FOUND") == 1
     assert sample(after, "bettercompute_reservations", pool=POOL, state="placed") == 1
@@ -201,7 +243,7 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
     # The wait that ended since the last scrape: one placement, observed once.
     waited = {"pool": POOL, "phase": "placed"}
     assert sample(after, "bettercompute_reservation_wait_seconds_count", **waited) == 1
-    again = (await api.client.get("/metrics")).text
+    again = (await api.metrics.get("/metrics")).text
     assert sample(again, "bettercompute_reservation_wait_seconds_count", **waited) == 1
     assert (sample(after, "bettercompute_work_queue_depth") or 0) >= 1
     count = sample(
@@ -221,7 +263,7 @@ async def test_metrics_count_operations_and_read_the_database(api: Api):
     placed = sample(after, "bettercompute_placement_duration_seconds_count", outcome="placed")
     assert placed == 1
     await api.client.post("/no/such/route")
-    unmatched = (await api.client.get("/metrics")).text
+    unmatched = (await api.metrics.get("/metrics")).text
     assert (
         sample(unmatched, "bettercompute_api_request_duration_seconds_count", route="unmatched")
         == 1
@@ -234,15 +276,15 @@ async def test_each_app_has_its_own_registry(db: Database, serve: Serve):
     await first.ok("reservations/create", create_body())
     name = "bettercompute_api_operations_total"
     labels = {"operation": "reservations.create", "outcome": "placed"}
-    assert sample((await first.client.get("/metrics")).text, name, **labels) == 1
-    assert sample((await second.client.get("/metrics")).text, name, **labels) is None
+    assert sample((await first.metrics.get("/metrics")).text, name, **labels) == 1
+    assert sample((await second.metrics.get("/metrics")).text, name, **labels) is None
 
 
 async def test_metrics_survive_an_unreachable_database(db: Database, serve: Serve, pg_dsn: str):
     closed = await Database.open(pg_dsn, min_size=1, max_size=1, migrate=False)
     await closed.close()
     api = await serve(database=closed)
-    response = await api.client.get("/metrics")
+    response = await api.metrics.get("/metrics")
     assert response.status_code == 200
     assert sample(response.text, "bettercompute_database_up") == 0
 
@@ -265,27 +307,30 @@ async def test_readyz_answers_within_a_second_when_the_check_hangs(db: Database,
 async def test_metrics_can_need_a_bearer_token(db: Database, serve: Serve):
     api = await serve(metrics_token="scrape-me")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic scrape-me"}):
-        refused = await api.client.get("/metrics", headers=headers)
+        refused = await api.metrics.get("/metrics", headers=headers)
         assert refused.status_code == 401
         assert refused.json()["error"]["code"] == "ACCESS_DENIED"
         assert "bettercompute_" not in refused.text
-    allowed = await api.client.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+    # A tenant's own bearer token is no metrics token.
+    tenant = await api.metrics.get("/metrics", headers={"Authorization": "Bearer token-of-alice"})
+    assert tenant.status_code == 401
+    allowed = await api.metrics.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
     assert allowed.status_code == 200
     assert sample(allowed.text, "bettercompute_database_up") == 1
     # Without a token configured, /metrics stays open (the default).
     open_api = await serve()
-    assert (await open_api.client.get("/metrics")).status_code == 200
+    assert (await open_api.metrics.get("/metrics")).status_code == 200
 
 
 async def test_metrics_read_the_database_at_most_once_per_max_age(db: Database, serve: Serve):
     await build_world(db)
     api = await serve(metrics_max_age_seconds=60)
     placed = {"state": "placed"}
-    scrapes = await asyncio.gather(*(api.client.get("/metrics") for _ in range(5)))
+    scrapes = await asyncio.gather(*(api.metrics.get("/metrics") for _ in range(5)))
     assert {sample(s.text, "bettercompute_reservations", **placed) for s in scrapes} == {0}
     await api.ok("reservations/create", create_body())
     # The reservation is there, but a scrape within the minute shows the figures it read.
-    cached = (await api.client.get("/metrics")).text
+    cached = (await api.metrics.get("/metrics")).text
     assert sample(cached, "bettercompute_reservations", **placed) == 0
     # The counters kept in the process are live all the same.
     created = sample(
@@ -297,6 +342,6 @@ async def test_metrics_read_the_database_at_most_once_per_max_age(db: Database, 
     assert created == 1
     fresh = await serve(metrics_max_age_seconds=0)
     assert (
-        sample((await fresh.client.get("/metrics")).text, "bettercompute_reservations", **placed)
+        sample((await fresh.metrics.get("/metrics")).text, "bettercompute_reservations", **placed)
         == 1
     )

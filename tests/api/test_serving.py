@@ -97,7 +97,7 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
 
 
 async def operation_count(api: Api, operation: str, outcome: str) -> float:
-    text = (await api.client.get("/metrics")).text
+    text = (await api.metrics.get("/metrics")).text
     return (
         sample(text, "bettercompute_api_operations_total", operation=operation, outcome=outcome)
         or 0

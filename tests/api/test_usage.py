@@ -57,7 +57,7 @@ async def test_the_report_says_what_was_used(api: Api):
 
 async def test_billed_gpu_seconds_on_metrics(api: Api):
     await used_ten_minutes(api)
-    text = (await api.client.get("/metrics")).text
+    text = (await api.metrics.get("/metrics")).text
     found = re.search(
         r'^bettercompute_billed_gpu_seconds_total\{pool="(.+?)",tenant="(.+?)"\} (\S+)$',
         text,

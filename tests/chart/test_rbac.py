@@ -503,6 +503,8 @@ async def test_every_call_of_a_reservations_life_is_allowed(
         namespace=kubeworld.OPERATOR_NAMESPACE,
         http_host="127.0.0.1",
         http_port=0,
+        metrics_host="127.0.0.1",
+        metrics_port=0,
         webhook_host="127.0.0.1",
         webhook_port=_free_port(),
         api_server=kube_api.url,

@@ -33,6 +33,8 @@ REFUSED = [
     ({"operator": {"replicas": 0}}, "/operator/replicas", "minimum"),
     ({"operator": {"replica": 2}}, "/operator", "'replica' not allowed"),
     ({"operator": {"logLevel": "LOUD"}}, "/operator/logLevel", "one of"),
+    ({"metrics": {"port": 8080}}, "/metrics/port", "not"),  # the HTTP API's
+    ({"metrics": {"port": 0}}, "/metrics/port", "minimum"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "/operator/resources", "pattern"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", "one of"),
     ({"image": {"digest": "sha256:short"}}, "/image/digest", "pattern"),

@@ -84,7 +84,31 @@ def test_the_service_routes_to_the_operator_only(defaults: rendering.Rendered):
     assert _matches(service["spec"]["selector"], operator_labels)
     assert not _matches(service["spec"]["selector"], plugin_labels)
     assert statefulset["spec"]["serviceName"] == SERVICE
+    # Never the metrics port: tenants reach this Service, and the metrics name every tenant.
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "webhook"}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "webhook"}
+
+
+def test_the_operators_metrics_have_a_service_of_their_own(defaults: rendering.Rendered, render):
+    (container,) = rendering.containers(defaults.one("StatefulSet"))
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container_ports["metrics"] == 9464
+    assert container_ports["metrics"] not in {container_ports["http"], container_ports["webhook"]}
+    assert rendering.env_of(container)["BCD_METRICS_PORT"] == "9464"
+    metrics = defaults.one("Service", "bc-better-compute-operator-metrics")
+    assert metrics["spec"]["clusterIP"] == "None"
+    assert metrics["spec"]["ports"] == [
+        {"name": "metrics", "port": 9464, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    labels = defaults.one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(metrics["spec"]["selector"], labels)
+    # metrics.port moves all three.
+    moved = render({"metrics": {"port": 9100}})
+    (container,) = rendering.containers(moved.one("StatefulSet"))
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9100
+    assert rendering.env_of(container)["BCD_METRICS_PORT"] == "9100"
+    service = moved.one("Service", "bc-better-compute-operator-metrics")
+    assert service["spec"]["ports"][0]["port"] == 9100
 
 
 def _b64_pem(data: str) -> bytes:
@@ -212,6 +236,31 @@ def test_service_monitors_scrape_both_components(everything: rendering.Rendered)
     assert _matches(metrics["spec"]["selector"], plugin_labels)
 
 
+def test_the_operators_service_monitor_scrapes_the_metrics_port_only(render):
+    everything = render(
+        {"metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+    )
+    monitor = everything.one("ServiceMonitor", "bc-better-compute-operator")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics"
+    scraped = [
+        s["metadata"]["name"]
+        for s in everything.of("Service")
+        if _matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert scraped == ["bc-better-compute-operator-metrics"]  # not the API's Service
+    (container,) = rendering.containers(everything.one("StatefulSet"))
+    (port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    assert port["containerPort"] == 9464
+    # The job the alerts name (BetterComputeOperatorDown), not the metrics Service's name.
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "targetLabel": "job", "replacement": "bc-better-compute-operator"}
+    ]
+    (rule,) = everything.of("PrometheusRule")
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert any('up{job="bc-better-compute-operator"' in e for e in exprs)
+
+
 def test_service_monitors_are_off_by_default(defaults: rendering.Rendered):
     assert defaults.of("ServiceMonitor") == []
     assert defaults.of("NetworkPolicy") == []
@@ -223,9 +272,15 @@ def test_network_policies_leave_the_webhook_open_and_limit_the_rest(
     operator = everything.one("NetworkPolicy", "bc-better-compute-operator")
     labels = everything.one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert _matches(operator["spec"]["podSelector"]["matchLabels"], labels)
-    webhook, http = operator["spec"]["ingress"]
+    webhook, http, operator_metrics = operator["spec"]["ingress"]
     assert webhook == {"ports": [{"port": "webhook", "protocol": "TCP"}]}
+    assert http["ports"] == [{"port": "http", "protocol": "TCP"}]
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"team": "platform"}}}]
+    # The operator's metrics port: the monitoring peers only, not the API's.
+    assert operator_metrics == {
+        "ports": [{"port": "metrics", "protocol": "TCP"}],
+        "from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+    }
     plugin = everything.one("NetworkPolicy", "bc-better-compute-device-plugin")
     (metrics,) = plugin["spec"]["ingress"]
     assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]

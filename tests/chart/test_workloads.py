@@ -215,6 +215,7 @@ def test_the_operator_command_reads_what_the_chart_gives(
     assert params["no_default_policies"] is True
     assert params["http_port"] == ports["http"]
     assert params["webhook_port"] == ports["webhook"]
+    assert params["metrics_port"] == ports["metrics"] != ports["http"]
     assert _resolve(everything, rendering.env_of(container)["POD_ID"]) == POD["name"]
     # The webhook certificate is the operator's own: where it keeps it, for which Service and
     # which configurations, as the command reads them; no files of Helm's.

@@ -18,7 +18,7 @@ async def test_the_walkthrough_against_a_live_dev_stack(tmp_path: Path) -> None:
     # keeps its temp tree private to root.
     state = Path(tempfile.mkdtemp(prefix="bc-cli-dev-")) / "state"
     try:
-        async with running.started(port=0, sim=2, state_dir=state) as dev:
+        async with running.started(port=0, metrics_port=0, sim=2, state_dir=state) as dev:
             env = {"BETTER_COMPUTE_URL": dev.url, "BETTER_COMPUTE_TOKEN": dev.tokens["alice@acme"]}
 
             async def cli(*args: str) -> Result:
@@ -109,7 +109,9 @@ async def test_reserve_waits_for_the_pool_lease_placer_of_a_live_dev_stack(
     )
     state = Path(tempfile.mkdtemp(prefix="bc-cli-dev-")) / "state"
     try:
-        async with running.started(port=0, sim=1, state_dir=state, config=config) as dev:
+        async with running.started(
+            port=0, metrics_port=0, sim=1, state_dir=state, config=config
+        ) as dev:
             env = {"BETTER_COMPUTE_URL": dev.url, "BETTER_COMPUTE_TOKEN": dev.tokens["alice@acme"]}
             reserved = await run_cli(
                 "reserve",

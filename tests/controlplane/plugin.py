@@ -70,6 +70,8 @@ def operator_config(cluster: Cluster, db: Database, **overrides: Any) -> Operato
         "namespace": install.NAMESPACE,
         "http_host": "127.0.0.1",
         "http_port": 0,
+        "metrics_host": "127.0.0.1",
+        "metrics_port": 0,
         "webhook_host": "127.0.0.1",
         "webhook_port": chart.webhook_port,
         # The operator makes and renews its webhook certificate (the chart's default); the

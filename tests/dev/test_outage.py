@@ -112,13 +112,13 @@ def half_sent_body(port: int) -> Iterator[None]:
 
 
 def _command(port: int, state: Path) -> list[str]:
-    args = ["--port", str(port), "--state-dir", str(state), "--sim", "1"]
+    args = ["--port", str(port), "--metrics-port", "0", "--state-dir", str(state), "--sim", "1"]
     script = Path(sys.executable).with_name("better-compute")
     if script.exists():
         return [str(script), "dev", *args]
     code = (
         "import pathlib; from bettercompute.dev.running import run; "
-        f"run(port={port}, state_dir=pathlib.Path({str(state)!r}), sim=1)"
+        f"run(port={port}, metrics_port=0, state_dir=pathlib.Path({str(state)!r}), sim=1)"
     )
     return [sys.executable, "-c", code]
 

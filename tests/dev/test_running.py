@@ -101,7 +101,7 @@ async def allocation_state(dev: Dev, allocation_id: str) -> str:
 
 
 async def test_reserve_bind_release_and_restart_with_nothing_lost(state: Path) -> None:
-    async with running.started(port=0, sim=2, state_dir=state) as dev:
+    async with running.started(port=0, metrics_port=0, sim=2, state_dir=state) as dev:
         assert dev.url.startswith("http://127.0.0.1:")
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"{dev.url}/readyz")).status_code == 200
@@ -144,7 +144,7 @@ async def test_reserve_bind_release_and_restart_with_nothing_lost(state: Path) -
 
         # One stack per state dir.
         with pytest.raises(DevError, match="already running on"):
-            async with running.started(port=0, state_dir=state):
+            async with running.started(port=0, metrics_port=0, state_dir=state):
                 pass
 
         # A second reservation stays active across the restart below.
@@ -163,7 +163,7 @@ async def test_reserve_bind_release_and_restart_with_nothing_lost(state: Path) -
         assert await eventually(files_gone)
         assert await eventually(allocation_released)
 
-    async with running.started(port=0, sim=2, state_dir=state) as dev:
+    async with running.started(port=0, metrics_port=0, sim=2, state_dir=state) as dev:
         again = await call(dev, "get", {"tenantId": "acme", "reservationId": created["id"]})
         assert again["state"] == "released"
         still = await call(dev, "get", {"tenantId": "acme", "reservationId": kept["id"]})
@@ -176,7 +176,7 @@ async def test_reserve_bind_release_and_restart_with_nothing_lost(state: Path) -
 
 
 async def test_the_printed_examples_match_the_guide(state: Path) -> None:
-    async with running.started(port=0, sim=0, state_dir=state) as dev:
+    async with running.started(port=0, metrics_port=0, sim=0, state_dir=state) as dev:
         export, reserve, curl = running.try_it(dev)
     assert export == (
         f"export BETTER_COMPUTE_URL={dev.url} BETTER_COMPUTE_TOKEN={dev.tokens['alice@acme']}"
@@ -201,11 +201,52 @@ async def test_a_port_in_use_is_a_clear_error_before_anything_starts(tmp_path: P
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(DevError) as caught:
-            async with running.started(port=port, state_dir=tmp_path / "state"):
+            async with running.started(port=port, metrics_port=0, state_dir=tmp_path / "state"):
                 pass
     assert f"port {port} on 127.0.0.1 is already in use" in str(caught.value)
     assert "--port" in str(caught.value)
     assert not (tmp_path / "state").exists()
+
+
+async def test_a_metrics_port_in_use_is_a_clear_error_naming_its_option(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(DevError) as caught:
+            async with running.started(port=0, metrics_port=port, state_dir=tmp_path / "state"):
+                pass
+    assert f"port {port} on 127.0.0.1 is already in use" in str(caught.value)
+    assert f"--metrics-port {port + 1}" in str(caught.value)
+    port = free_port()
+    with pytest.raises(DevError, match="--port and --metrics-port are both"):
+        async with running.started(port=port, metrics_port=port, state_dir=tmp_path / "state"):
+            pass
+    assert not (tmp_path / "state").exists()
+
+
+async def test_metrics_are_served_on_their_own_port_never_on_the_apis(
+    state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("BETTER_COMPUTE_METRICS_TOKEN", "scrape-me")
+    async with (
+        running.started(port=0, metrics_port=port, sim=1, state_dir=state) as dev,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        assert (dev.metrics_port, dev.metrics_url) == (port, f"http://127.0.0.1:{port}")
+        await call(dev, "create", GUIDE_BODY)
+        tenant = {"Authorization": f"Bearer {dev.tokens['gina@globex']}", "X-Better-Compute": "1"}
+        refused = await client.get(f"{dev.url}/metrics", headers=tenant)
+        assert refused.status_code == 404
+        assert "bettercompute_" not in refused.text
+        assert (await client.get(f"{dev.url}/readyz")).status_code == 200
+        assert (await client.get(f"{dev.metrics_url}/metrics", headers=tenant)).status_code == 401
+        scraped = await client.get(
+            f"{dev.metrics_url}/metrics", headers={"Authorization": "Bearer scrape-me"}
+        )
+        assert scraped.status_code == 200
+        assert 'bettercompute_quota_used{resource="gpu:H100",tenant="acme"} 4.0' in scraped.text
 
 
 async def test_fresh_empties_only_a_state_dir_it_made(tmp_path: Path) -> None:
@@ -213,7 +254,7 @@ async def test_fresh_empties_only_a_state_dir_it_made(tmp_path: Path) -> None:
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(DevError, match="refusing to empty"):
-        async with running.started(port=0, state_dir=foreign, fresh=True):
+        async with running.started(port=0, metrics_port=0, state_dir=foreign, fresh=True):
             pass
     assert (foreign / "notes.txt").read_text() == "keep me"
 
@@ -221,31 +262,33 @@ async def test_fresh_empties_only_a_state_dir_it_made(tmp_path: Path) -> None:
 # --- the command, as a process ----------------------------------------------------------------
 
 
-def _command(port: int, state: Path) -> list[str]:
+def _command(port: int, state: Path, metrics_port: int = 0) -> list[str]:
     script = Path(sys.executable).with_name("better-compute")
-    args = ["--port", str(port), "--state-dir", str(state), "--sim", "2"]
+    args = ["--port", str(port), "--metrics-port", str(metrics_port)]
+    args += ["--state-dir", str(state), "--sim", "2"]
     if script.exists():
         return [str(script), "dev", *args]
     # Without the console script installed, the same entry point the CLI calls.
     code = (
         "import pathlib, sys; from bettercompute.dev.running import run; "
-        f"run(port={port}, state_dir=pathlib.Path({str(state)!r}), sim=2)"
+        f"run(port={port}, metrics_port={metrics_port}, "
+        f"state_dir=pathlib.Path({str(state)!r}), sim=2)"
     )
     return [sys.executable, "-c", code]
 
 
 @pytest.fixture
-def dev_process(state: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    port = free_port()
+def dev_process(state: Path) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
-        _command(port, state),
+        _command(port, state, metrics_port),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
     )
     try:
-        yield process, f"http://127.0.0.1:{port}"
+        yield process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
     finally:
         if process.poll() is None:
             process.kill()
@@ -253,9 +296,9 @@ def dev_process(state: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 def test_the_command_serves_until_sigint_then_exits_0(
-    dev_process: tuple[subprocess.Popen[str], str],
+    dev_process: tuple[subprocess.Popen[str], str, str],
 ) -> None:
-    process, url = dev_process
+    process, url, metrics_url = dev_process
     deadline = time.monotonic() + 60
     ready = False
     while time.monotonic() < deadline and process.poll() is None:
@@ -267,10 +310,16 @@ def test_the_command_serves_until_sigint_then_exits_0(
             break
         time.sleep(0.2)
     assert ready, f"not ready; exit code {process.poll()}"
+    # /metrics on the port --metrics-port named, and not on the API's.
+    scraped = httpx.get(f"{metrics_url}/metrics", timeout=5)
+    assert scraped.status_code == 200
+    assert "bettercompute_quota_limit{" in scraped.text
+    assert httpx.get(f"{url}/metrics", timeout=5).status_code == 404
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=10)
     assert process.returncode == 0, output
     assert url in output
+    assert f"Metrics: {metrics_url}/metrics" in output
     assert "BETTER_COMPUTE_TOKEN=bcdev_alice_acme" in output
     assert "Traceback" not in output
 
@@ -288,7 +337,7 @@ async def test_a_given_database_is_used_instead_of_an_embedded_one(
 ) -> None:
     state = tmp_path / "state"
     async with running.started(
-        port=0, sim=1, state_dir=state, database_url=scratch_database
+        port=0, metrics_port=0, sim=1, state_dir=state, database_url=scratch_database
     ) as dev:
         created = await call(dev, "create", GUIDE_BODY)
         assert (await until(dev, created["id"], "active"))["state"] == "active"
@@ -305,19 +354,23 @@ async def test_a_given_database_is_used_instead_of_an_embedded_one(
 async def test_fresh_is_refused_with_a_given_database(tmp_path: Path) -> None:
     with pytest.raises(DevError, match="--fresh empties only"):
         async with running.started(
-            port=0, state_dir=tmp_path / "s", fresh=True, database_url="postgresql:///nothing"
+            port=0,
+            metrics_port=0,
+            state_dir=tmp_path / "s",
+            fresh=True,
+            database_url="postgresql:///nothing",
         ):
             pass
 
 
 async def test_a_node_key_others_can_read_stops_dev_with_one_line(state: Path) -> None:
-    async with running.started(port=0, sim=1, state_dir=state) as dev:
+    async with running.started(port=0, metrics_port=0, sim=1, state_dir=state) as dev:
         node = dev.nodes[0]
         key = dev.node_root(node.id) / "node-key.pem"
         assert key.stat().st_mode & 0o777 == 0o600
     key.chmod(0o644)  # as a careless copy or restore leaves it
     with pytest.raises(DevError) as refused:
-        async with running.started(port=0, sim=1, state_dir=state):
+        async with running.started(port=0, metrics_port=0, sim=1, state_dir=state):
             pass
     message = str(refused.value)
     assert message.startswith(f"simulated node {node.name}: node key {key}: readable by others")

@@ -38,6 +38,8 @@ def operator_config(kube: KubeApi, db: Database, **overrides: Any) -> OperatorCo
         "namespace": kubeworld.OPERATOR_NAMESPACE,
         "http_host": "127.0.0.1",
         "http_port": 0,
+        "metrics_host": "127.0.0.1",
+        "metrics_port": 0,
         "webhook_host": "127.0.0.1",
         "webhook_port": free_port(),
         "standalone": True,

@@ -87,7 +87,7 @@ async def test_the_operator_reports_when_its_webhook_certificate_expires(
     cert, key, ends = _self_signed(tmp_path, days=20)
     async with (
         start_operator(webhook_cert=cert, webhook_key=key) as op,
-        httpx.AsyncClient(base_url=op.url) as client,
+        httpx.AsyncClient(base_url=op.metrics_url) as client,
     ):
         text = (await client.get("/metrics")).text
     [line] = [

@@ -7,6 +7,8 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
+from bettercompute.operator import running
+from bettercompute.operator.config import OperatorConfig
 from bettercompute.operator.running import cli
 
 
@@ -17,12 +19,37 @@ def test_help_lists_the_settings_and_their_environment_variables():
         "--database-url",
         "DATABASE_URL",
         "--webhook-port",
+        "--metrics-port",
+        "BCD_METRICS_PORT",
+        "--metrics-host",
         "--standalone",
         "POD_NAMESPACE",
         "--policies",
         "Example",
     ):
         assert expected in result.output
+
+
+def test_metrics_get_their_own_port_from_a_flag_or_the_environment(monkeypatch):
+    served: list[OperatorConfig] = []
+
+    async def serve(config: OperatorConfig) -> None:
+        served.append(config)
+
+    monkeypatch.setattr(running, "_serve", serve)
+    base = ["--database-url", "postgresql://x/y"]
+    for args, env, expected in (
+        ([], {}, ("0.0.0.0", 9464)),
+        ([], {"BCD_METRICS_PORT": "9500", "BCD_METRICS_HOST": "10.0.0.7"}, ("10.0.0.7", 9500)),
+        (["--metrics-port", "0", "--metrics-host", "127.0.0.1"], {}, ("127.0.0.1", 0)),
+    ):
+        result = CliRunner().invoke(cli, base + args, env=env)
+        assert result.exit_code == 0, result.output
+        config = served.pop()
+        assert (config.metrics_host, config.metrics_port) == expected
+        assert config.http_port == 8080  # the API keeps its own
+    refused = CliRunner().invoke(cli, [*base, "--metrics-port", "70000"])
+    assert refused.exit_code == 2
 
 
 def test_a_missing_database_url_is_a_usage_error():

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from bettercompute.operator.running import Operator
-from tests.operator.conftest import World
+from bettercompute.store.database import Database
+from tests.operator.conftest import World, apply_world, free_port
 from tests.support.kubeserver import KubeApi
 
 ALICE = {"username": "alice@acme", "uid": "u1", "groups": ["bcd.dev:tenant:acme", "ml-team"]}
@@ -173,3 +174,34 @@ async def test_the_probes_answer_once_ready_and_readyz_follows_the_parts(operato
         ready = await http.get("/readyz")
         assert (ready.status_code, ready.json()) == (503, {"status": "not ready"})
         assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_metrics_are_served_on_the_metrics_port_and_never_on_the_apis(
+    kube_api: KubeApi, db: Database, start_operator: Any, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("BETTER_COMPUTE_METRICS_TOKEN", "scrape-me")
+    port = free_port()
+    kube_api.tokens["token-of-alice"] = ALICE
+    async with (
+        start_operator(metrics_port=port) as operator,
+        httpx.AsyncClient(base_url=operator.url, timeout=5.0) as http,
+        httpx.AsyncClient(base_url=operator.metrics_url, timeout=5.0) as scraper,
+    ):
+        assert operator.metrics_url == f"http://127.0.0.1:{port}"
+        await apply_world(kube_api, db)
+        await Client(http).ok("reservations/create", create_body(), token="token-of-alice")
+        # A tenant on the API's port: no such route, and no figure of anyone's.
+        for headers in ({"Authorization": "Bearer token-of-alice"}, {}):
+            refused = await http.get("/metrics", headers=headers)
+            assert refused.status_code == 404
+            assert refused.json()["error"]["code"] == "NOT_FOUND"
+            assert "bettercompute_" not in refused.text
+        # The metrics port: the token it was given, and then every figure.
+        for headers in ({}, {"Authorization": "Bearer token-of-alice"}):
+            assert (await scraper.get("/metrics", headers=headers)).status_code == 401
+        scraped = await scraper.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+        assert scraped.status_code == 200
+        assert 'bettercompute_quota_used{resource="gpu:H100",tenant="acme"} 4.0' in scraped.text
+        # The probes stay on the API's port (the chart's probes call them there).
+        assert (await http.get("/readyz")).status_code == 200
+        assert (await scraper.get("/readyz")).status_code == 404

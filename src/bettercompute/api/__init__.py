@@ -12,6 +12,8 @@ error answer naming the field, never a traceback and never a 500.
 
 Modules: ``app`` (routes, handlers, middleware, the status table), ``errors`` (the error
 envelope and the status of each code), ``openapi`` (the OpenAPI 3.1 document generated from the
-input models), ``metrics`` (the per-app Prometheus registry), ``serving`` (the runner both
-composition roots serve it with: timeouts, connection limit, bounded shutdown).
+input models), ``metrics`` (the per-app Prometheus registry), ``metrics_server`` (the app
+that serves that registry on a port of its own, never the API's: it names every tenant),
+``serving`` (the runner both composition roots serve them with: timeouts, connection limit,
+bounded shutdown).
 """

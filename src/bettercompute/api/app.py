@@ -14,8 +14,10 @@ Routes:
 
 * ``POST /api/compute/reservations/{create,get,list,release,cancel,extend,renew}`` and
   ``POST /api/compute/capacity/preview``: body = the guide's JSON input; ``200 {"data": …}``.
-* ``GET /api/compute/openapi.json``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``: no
-  credential needed.
+* ``GET /api/compute/openapi.json``, ``GET /healthz``, ``GET /readyz``: no credential needed.
+
+No ``/metrics`` here: this is the port tenants reach, and the metrics name every tenant.
+``api.metrics_server`` serves this app's registry (``METRICS``) on a port of its own.
 
 Every operation call must carry ``X-Better-Compute: 1`` (a browser cannot add it to a
 cross-site request without a CORS preflight, which this API never grants) and
@@ -57,7 +59,6 @@ do: speak SQL, decide policy, or answer bad input with a 500 or a traceback.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -89,8 +90,6 @@ METRICS = web.AppKey("metrics", metrics.Metrics)
 READY: web.AppKey[Ready] = web.AppKey("ready")
 MAX_BODY = web.AppKey("max_body_bytes", int)
 DOCUMENT = web.AppKey("openapi", bytes)
-METRICS_TOKEN: web.AppKey[str | None] = web.AppKey("metrics_token")
-COUNTS = web.AppKey("counts", metrics.CachedCounts)
 
 #: A body with more commas than this is refused before it is parsed. Every member of an
 #: object or array after the first needs one, so this bounds the keys and items the parser
@@ -116,15 +115,12 @@ def make_app(
     authenticator: ports.Authenticator,
     ready: Ready | None = None,
     max_body_bytes: int = 1_048_576,
-    metrics_token: str | None = None,
-    metrics_max_age_seconds: float = 5.0,
 ) -> web.Application:
     """The API for ``service``. Credentials are checked by ``authenticator`` and cached for
     30 seconds (the guide); ``ready`` is awaited by ``/readyz`` (default: always ready, and
     "not ready" when it takes longer than 0.9 s); a body over ``max_body_bytes`` is refused
-    with 413 before it is read whole. ``/metrics`` needs ``Authorization: Bearer
-    <metrics_token>`` when one is given, and reads the database's counts at most once every
-    ``metrics_max_age_seconds`` however often it is scraped."""
+    with 413 before it is read whole. Its requests are counted in ``app[METRICS]``, which
+    ``api.metrics_server.make_metrics_app(app)`` serves on the metrics port."""
     app = web.Application(middlewares=[_pipeline], client_max_size=max_body_bytes)
     app[SERVICE] = service
     app[AUTHENTICATOR] = CachingAuthenticator(authenticator, ttl_seconds=30)
@@ -133,9 +129,6 @@ def make_app(
     app[READY] = ready or _always_ready
     app[MAX_BODY] = max_body_bytes
     app[DOCUMENT] = json.dumps(openapi.document()).encode()
-    app[METRICS_TOKEN] = metrics_token or None
-    app[COUNTS] = metrics.CachedCounts(service.counts, max_age_seconds=metrics_max_age_seconds)
-    app.on_startup.append(_start_counts)
     # Each client's share of the server; ``serving.Runner`` puts its own limits in their place.
     serving.install(app, serving.HttpLimits())
     for op in operations.OPERATIONS:
@@ -143,7 +136,6 @@ def make_app(
     app.router.add_get(f"{operations.PREFIX}/openapi.json", _openapi)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    app.router.add_get("/metrics", _metrics)
     app.router.add_get(f"{operations.PREFIX}/events/watch", _watch_events, name=WATCH)
     return app
 
@@ -337,40 +329,6 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
     if ready:
         return web.json_response({"status": "ready"})
     return web.json_response({"status": "not ready"}, status=503)
-
-
-async def _start_counts(app: web.Application) -> None:
-    # Where the events stand at start: the waits that end before the first scrape are counted.
-    try:
-        await app[COUNTS].start()
-    except StoreError as e:
-        log.warning("metrics: cannot read counts at start (the first scrape will): %s", e)
-
-
-async def _metrics(request: web.Request) -> web.StreamResponse:
-    _check_metrics_token(request)
-    figures = request.app[METRICS]
-    try:
-        counts = await request.app[COUNTS].read()
-    except StoreError as e:
-        log.warning("metrics: cannot read counts from the database: %s", e)
-        figures.database_down()
-    else:
-        figures.update(counts)
-    return web.Response(body=figures.render(), headers={"Content-Type": metrics.CONTENT_TYPE})
-
-
-def _check_metrics_token(request: web.Request) -> None:
-    expected = request.app[METRICS_TOKEN]
-    if expected is None:
-        return
-    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-    # Compared in constant time, as bytes: a str compare_digest refuses non-ASCII input.
-    given = token.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected.encode()):
-        raise errors.unauthenticated(
-            "/metrics needs 'Authorization: Bearer <token>' with the metrics token"
-        )
 
 
 # --- the pipeline ----------------------------------------------------------------------------

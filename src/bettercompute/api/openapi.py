@@ -243,7 +243,6 @@ def _plain_paths() -> dict[str, Any]:
         ),
         "/healthz": get("The process is alive", "application/json", status),
         "/readyz": readyz,
-        "/metrics": get("Prometheus metrics", "text/plain", {"type": "string"}),
         f"{operations.PREFIX}/events/watch": _events_watch(),
     }
 

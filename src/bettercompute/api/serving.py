@@ -1,4 +1,5 @@
-"""How the API is served: the one runner both composition roots (``dev``, the operator) use.
+"""How the API is served: the one runner both composition roots (``dev``, the operator) use
+for the API and for the metrics port (``api.metrics_server``).
 
 Why it exists: aiohttp alone lets a client hold a connection for as long as it likes. Its
 keep-alive timer closes a connection that stays idle, but nothing bounds a request whose
@@ -69,7 +70,8 @@ from bettercompute.api import errors, fairness
 
 log = logging.getLogger(__name__)
 
-#: The environment variable the composition roots read the ``/metrics`` bearer token from.
+#: The environment variable the composition roots read the ``/metrics`` bearer token from
+#: (asked on the metrics port, ``api.metrics_server``).
 METRICS_TOKEN_ENV = "BETTER_COMPUTE_METRICS_TOKEN"
 
 

@@ -976,7 +976,7 @@ def quota(
     ),
     epilog=_examples(
         "better-compute dev",
-        "better-compute dev --sim 4 --port 9090",
+        "better-compute dev --sim 4 --port 9090 --metrics-port 9465",
         "better-compute dev --state-dir ./bc-state --fresh --config dev.yaml",
         "better-compute dev --database-url postgresql://bcd@localhost/bcd_scratch",
     ),
@@ -985,6 +985,16 @@ def dev(
     port: Annotated[
         int, typer.Option("--port", help="Port of the HTTP API.", min=1, max=65_535)
     ] = 8080,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            "--metrics-port",
+            help="Port of /metrics, apart from the HTTP API's (its figures name every tenant); "
+            "0 picks a free one.",
+            min=0,
+            max=65_535,
+        ),
+    ] = 9464,
     sim: Annotated[
         int, typer.Option("--sim", help="How many simulated GPU nodes to run.", min=0, max=1024)
     ] = 2,
@@ -1024,6 +1034,7 @@ def dev(
         try:
             running.run(
                 port=port,
+                metrics_port=metrics_port,
                 sim=sim,
                 config=config,
                 state_dir=state_dir,

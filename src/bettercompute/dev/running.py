@@ -4,7 +4,9 @@ Why: a newcomer must be able to reserve GPUs within a minute of installing, with
 to set up. This is the composition root: it starts an embedded PostgreSQL on the state dir
 (kept between runs, so a restart loses nothing), applies the dev configuration, builds the
 reservation service with the configured Cedar policies and static tokens, and runs the
-reconciler, one agent per simulated node and the HTTP API, until Ctrl-C.
+reconciler, one agent per simulated node, the HTTP API and, on a port of its own, ``/metrics``
+(``api.metrics_server``: the figures name every tenant, so never on the API's port), until
+Ctrl-C.
 
 ``run`` is the command (blocks, prints what to try, exits 0 on SIGINT/SIGTERM); ``started`` is
 the same stack as an async context manager, for tests and embedding.
@@ -50,6 +52,8 @@ from rich.text import Text
 from bettercompute import supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
+from bettercompute.api.metrics_server import DEFAULT_PORT as DEFAULT_METRICS_PORT
+from bettercompute.api.metrics_server import make_metrics_app
 from bettercompute.core.attestation import Attestation, CertificateAuthority
 from bettercompute.core.errors import StoreError
 from bettercompute.dev import applying
@@ -101,6 +105,9 @@ class Dev:
     url: str
     host: str
     port: int
+    #: Where ``/metrics`` is served (``{metrics_url}/metrics``), apart from the API.
+    metrics_url: str
+    metrics_port: int
     state_dir: Path
     loaded: LoadedConfig
     nodes: tuple[inventories.SimNode, ...]
@@ -137,6 +144,7 @@ class Dev:
 def run(
     *,
     port: int = 8080,
+    metrics_port: int = DEFAULT_METRICS_PORT,
     sim: int = 2,
     config: Path | None = None,
     state_dir: Path | None = None,
@@ -154,6 +162,7 @@ def run(
         failure = asyncio.run(
             _serve_until_stopped(
                 port=port,
+                metrics_port=metrics_port,
                 sim=sim,
                 config=config,
                 state_dir=state_dir,
@@ -178,6 +187,7 @@ def run(
 async def _serve_until_stopped(
     *,
     port: int,
+    metrics_port: int,
     sim: int,
     config: Path | None,
     state_dir: Path | None,
@@ -190,6 +200,7 @@ async def _serve_until_stopped(
     try:
         async with started(
             port=port,
+            metrics_port=metrics_port,
             sim=sim,
             config=config,
             state_dir=state_dir,
@@ -213,6 +224,7 @@ async def _serve_until_stopped(
 async def started(
     *,
     port: int = 8080,
+    metrics_port: int = DEFAULT_METRICS_PORT,
     sim: int = 2,
     config: Path | None = None,
     state_dir: Path | None = None,
@@ -221,7 +233,8 @@ async def started(
     signals: supervising.Signals | None = None,
     database_url: str | None = None,
 ) -> AsyncIterator[Dev]:
-    """The dev stack, running while the block runs; ``port=0`` takes a free port.
+    """The dev stack, running while the block runs; ``port=0`` takes a free port, and so does
+    ``metrics_port=0`` for ``/metrics`` (served on ``host`` too, never on the API's port).
 
     Everything started is stopped when the block ends, in reverse order: the API, the node
     agents, the reconciler and the PostgreSQL watchdog, the connection pool, the embedded
@@ -236,8 +249,12 @@ async def started(
     engine = loaded.policy_engine()
     authenticator = StaticTokenAuthenticator(applying.callers(loaded))
     state = (state_dir or DEFAULT_STATE_DIR).expanduser().resolve()
+    if port and port == metrics_port:
+        raise DevError(f"--port and --metrics-port are both {port}: give them different ports")
     if port:
         _check_port(host, port)
+    if metrics_port:
+        _check_port(host, metrics_port, option="--metrics-port")
     try:
         limits = backing.limits_from_environ(os.environ)
         http_limits = serving.HttpLimits.from_environ(os.environ)
@@ -325,21 +342,19 @@ async def started(
             service=service,
             authenticator=authenticator,
             ready=ready,
-            metrics_token=serving.metrics_token_from_env(),
         )
-        runner = serving.Runner(app, limits=http_limits)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as e:
-            raise DevError(_listen_problem(host, port, e)) from None
-        bound_port = int(runner.addresses[0][1])
+        bound_port = await _listen(stack, app, http_limits, host, port, option="--port")
+        # The metrics name every tenant (quota use, billed GPU-seconds): a port of their own.
+        metrics_app = make_metrics_app(app, token=serving.metrics_token_from_env())
+        bound_metrics_port = await _listen(
+            stack, metrics_app, http_limits, host, metrics_port, option="--metrics-port"
+        )
         yield Dev(
             url=f"http://{_url_host(host)}:{bound_port}",
             host=host,
             port=bound_port,
+            metrics_url=f"http://{_url_host(host)}:{bound_metrics_port}",
+            metrics_port=bound_metrics_port,
             state_dir=state,
             loaded=loaded,
             nodes=nodes,
@@ -420,7 +435,28 @@ def _prepare(state: Path, *, fresh: bool) -> None:
         (state / MARKER).write_text("A better-compute dev state dir; --fresh may empty it.\n")
 
 
-def _check_port(host: str, port: int) -> None:
+async def _listen(
+    stack: contextlib.AsyncExitStack,
+    app: web.Application,
+    limits: serving.HttpLimits,
+    host: str,
+    port: int,
+    *,
+    option: str,
+) -> int:
+    """Serve ``app`` on ``host:port`` until ``stack`` closes; the port bound (0: a free one)."""
+    runner = serving.Runner(app, limits=limits)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        raise DevError(_listen_problem(host, port, e, option=option)) from None
+    return int(runner.addresses[0][1])
+
+
+def _check_port(host: str, port: int, *, option: str = "--port") -> None:
     """Fail before anything starts when the port is taken (the bind below still decides)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -433,18 +469,18 @@ def _check_port(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as e:
-            raise DevError(_listen_problem(host, port, e)) from None
+            raise DevError(_listen_problem(host, port, e, option=option)) from None
 
 
-def _listen_problem(host: str, port: int, error: OSError) -> str:
+def _listen_problem(host: str, port: int, error: OSError, *, option: str = "--port") -> str:
     if error.errno == errno.EADDRINUSE:
         return (
             f"port {port} on {host} is already in use (another better-compute dev?); "
-            f"choose another with --port, for example --port {port + 1}"
+            f"choose another with {option}, for example {option} {port + 1}"
         )
     if error.errno == errno.EACCES:
-        return f"not allowed to listen on port {port}; choose a port above 1023 with --port"
-    return f"cannot listen on {host}:{port}: {error.strerror or error}; check --host and --port"
+        return f"not allowed to listen on port {port}; choose a port above 1023 with {option}"
+    return f"cannot listen on {host}:{port}: {error.strerror or error}; check --host and {option}"
 
 
 def _url_host(host: str) -> str:
@@ -521,6 +557,8 @@ def print_banner(console: Console, dev: Dev) -> None:
     config = dev.loaded.config
     say = console.print
     say(f"[bold green]Better Compute dev[/] is running at [bold]{escape(dev.url)}[/]")
+    # On a port of its own: the figures name every tenant, so the API's port never shows them.
+    say(f"Metrics: {escape(dev.metrics_url)}/metrics")
     source = (
         "the shipped demo" if dev.loaded.source == dev_config.demo_path() else dev.loaded.source
     )

@@ -1,4 +1,5 @@
-"""The operator's settings: where its database, API server, HTTP API and webhooks are.
+"""The operator's settings: where its database, API server, HTTP API, metrics and webhooks
+are.
 
 Read from the command line with environment fallbacks (``better-compute-operator --help``
 lists both), so the Helm chart sets environment variables and a person sets flags. Validated
@@ -26,9 +27,13 @@ class OperatorConfig:
     policy_files: tuple[Path, ...] = ()
     #: Leave out the built-in "members manage their own tenant's reservations" policies.
     no_default_policies: bool = False
-    #: The HTTP API (reservations, /metrics, /healthz, /readyz); port 0 picks a free one.
+    #: The HTTP API (reservations, /healthz, /readyz); port 0 picks a free one.
     http_host: str = "0.0.0.0"
     http_port: int = 8080
+    #: ``/metrics``, on a port of its own (``api.metrics_server``): its figures name every
+    #: tenant, so they are never on the API's port. Port 0 picks a free one.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464
     #: kopf's admission webhook server; ``webhook_port`` None turns webhooks off.
     webhook_host: str = "0.0.0.0"
     webhook_port: int | None = 9443

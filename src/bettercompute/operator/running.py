@@ -1,5 +1,6 @@
-"""The operator process: kopf handlers, the reconciler, the projector, the allocation sync
-and the HTTP API, over one database, started and stopped together.
+"""The operator process: kopf handlers, the reconciler, the projector, the allocation sync,
+the HTTP API and, on a port of its own, ``/metrics``, over one database, started and stopped
+together.
 
 ``started`` is the composition root (the tests and the benchmark use it as a context manager);
 ``main`` is ``better-compute-operator``, which reads its settings from flags and environment
@@ -34,6 +35,7 @@ from aiohttp import web
 from bettercompute import logformat, supervising
 from bettercompute.api import serving
 from bettercompute.api.app import METRICS, make_app
+from bettercompute.api.metrics_server import make_metrics_app
 from bettercompute.core.attestation import Attestation
 from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, StoreError
@@ -76,10 +78,13 @@ class OperatorError(Exception):
 
 @dataclass
 class Operator:
-    """A running operator: its HTTP API's URL and its parts, for tests and the benchmark."""
+    """A running operator: its HTTP API's URL, its metrics' URL and its parts, for tests and
+    the benchmark."""
 
     runtime: Runtime
     url: str
+    #: Where ``/metrics`` is served (``{metrics_url}/metrics``): never the API's port.
+    metrics_url: str
     tasks: list[asyncio.Task[None]]
     kopf_task: asyncio.Task[None]
     ready: asyncio.Event
@@ -341,7 +346,6 @@ async def started(
                 delegations=delegations,
             ),
             ready=is_ready,
-            metrics_token=serving.metrics_token_from_env(),
         )
         if config.webhook_cert:
             # Read once: a renewed certificate restarts the process (exit_when_renewed).
@@ -362,25 +366,42 @@ async def started(
             http_limits = serving.HttpLimits.from_environ(os.environ)
         except ValueError as e:
             raise OperatorError(str(e)) from None
-        runner = serving.Runner(app, limits=http_limits)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, config.http_host, config.http_port)
-        try:
-            await site.start()
-        except OSError as e:
-            raise OperatorError(
-                f"cannot listen on {config.http_host}:{config.http_port}: {e.strerror}"
-            ) from e
-        port = int(runner.addresses[0][1])
-        host = "127.0.0.1" if config.http_host in ("0.0.0.0", "") else config.http_host
+        url = await _listen(stack, app, http_limits, config.http_host, config.http_port)
+        # The metrics name every tenant (quota use, billed GPU-seconds): on a port of their
+        # own, which the chart exposes to Prometheus only, never on the API's.
+        metrics_app = make_metrics_app(app, token=serving.metrics_token_from_env())
+        metrics_url = await _listen(
+            stack, metrics_app, http_limits, config.metrics_host, config.metrics_port
+        )
         yield Operator(
             runtime=runtime,
-            url=f"http://{host}:{port}",
+            url=url,
+            metrics_url=metrics_url,
             tasks=tasks,
             kopf_task=kopf_task,
             ready=ready,
         )
+
+
+async def _listen(
+    stack: contextlib.AsyncExitStack,
+    app: web.Application,
+    limits: serving.HttpLimits,
+    host: str,
+    port: int,
+) -> str:
+    """Serve ``app`` on ``host:port`` until ``stack`` closes; its URL (port 0: the one taken)."""
+    runner = serving.Runner(app, limits=limits)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        raise OperatorError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    bound = int(runner.addresses[0][1])
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://{shown}:{bound}"
 
 
 class _EveryTask(Collection["asyncio.Task[Any]"]):
@@ -476,7 +497,8 @@ cli = typer.Typer(add_completion=False)
         "GPUNode and DeviceAllocation handlers, the signer of node certificates "
         "(CertificateSigningRequests of bcd.dev/node-report), the admission webhooks "
         "(Reservations: /stamp, /check; pods: /pod-rewrite, /pod-check), the "
-        "reconciler and the HTTP API (with /healthz, /readyz and /metrics), against the "
+        "reconciler, the HTTP API (with /healthz and /readyz) and, on --metrics-port, "
+        "/metrics, against the "
         "cluster of the pod's service account, or $KUBECONFIG, or --api-server. Install the "
         "CRDs first (kubectl apply -f crds/).\n\n"
         "Example: DATABASE_URL=postgresql://bcd@db/bcd better-compute-operator --standalone"
@@ -507,6 +529,20 @@ def run(
     http_port: Annotated[
         int, typer.Option(envvar="BCD_HTTP_PORT", help="Port of the HTTP API and probes.")
     ] = 8080,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="BCD_METRICS_PORT",
+            min=0,
+            max=65_535,
+            help="Port of /metrics, apart from the HTTP API's (its figures name every tenant); "
+            "0 picks a free one.",
+        ),
+    ] = 9464,
+    metrics_host: Annotated[
+        str,
+        typer.Option(envvar="BCD_METRICS_HOST", help="Address /metrics listens on."),
+    ] = "0.0.0.0",
     webhook_port: Annotated[
         int, typer.Option(envvar="BCD_WEBHOOK_PORT", help="Port of the admission webhooks.")
     ] = 9443,
@@ -646,6 +682,8 @@ def run(
         policy_files=tuple(policies_ or ()),
         no_default_policies=no_default_policies,
         http_port=http_port,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
         webhook_port=webhook_port,
         webhook_cert=webhook_cert,
         webhook_key=webhook_key,
@@ -680,7 +718,11 @@ async def _serve(config: OperatorConfig) -> None:
     signals.install()
     try:
         async with started(config, signals=signals) as operator:
-            log.info("operator running; HTTP API on %s", operator.url)
+            log.info(
+                "operator running; HTTP API on %s, metrics on %s/metrics",
+                operator.url,
+                operator.metrics_url,
+            )
             stopping = asyncio.create_task(signals.stop.wait())
             await asyncio.wait(
                 [stopping, operator.kopf_task, *operator.tasks],
