@@ -44,11 +44,11 @@ class PodOwners:
         unverified = podaccess.booked({"metadata": meta, "spec": body.get("spec") or {}})
         if not isinstance(hint, str) or not hint:
             return unverified
-        owner = await self.owners.owner(hint)
-        mine = owner is not None and (owner.namespace, owner.name, owner.object_uid) == (
-            meta.get("namespace"),
-            meta.get("name"),
-            meta.get("uid"),
+        mine = await self.owners.owns(
+            hint,
+            object_uid=str(meta.get("uid")),
+            namespace=str(meta.get("namespace")),
+            name=str(meta.get("name")),
         )
         view = await self.service.snapshot(hint) if mine else None
         if view is None:

@@ -10,6 +10,13 @@ re-projecting every object at start.
 
 Dirty ids are coalesced: a burst of changes to one reservation is one read and one patch.
 
+Which object a reservation is projected onto comes from the store, not from the object: a
+``status.id`` is only a hint, since a tenant allowed to write its Reservation's status could
+name another's reservation there and then read that reservation's status on its own object.
+An object is remembered under an id only when the store's claim of that reservation
+(``kube_owners``, written by the operator from the service's answers) names this very object:
+its namespace, name and uid. An id seen before on the same object is not asked again.
+
 What it must never do: decide anything. It reads the service's answer and writes ``status``;
 a failed write is retried by the next hint, never by a loop of its own. The one exception is
 a projection the database was away for: no hint may come for it (notifications sent during an
@@ -32,6 +39,7 @@ from bettercompute.kube import resources
 from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.operator import statuses
 from bettercompute.service.nodes import NodeService
+from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
 
 log = logging.getLogger(__name__)
@@ -65,37 +73,40 @@ class Placement:
     status: Mapping[str, Any]
     generation: int | None
     body: Mapping[str, Any]
+    uid: str = ""
+
+    def same_object(self, body: Mapping[str, Any]) -> bool:
+        meta = body.get("metadata") or {}
+        return (self.namespace, self.name, self.uid) == (
+            meta.get("namespace"),
+            meta.get("name"),
+            str(meta.get("uid")),
+        )
 
 
 class Objects:
-    """Reservation id → its object, kept from the watch by the event handler."""
+    """Reservation id → its object, kept from the watch by the event handler (``Projector.
+    remember``, which checks an id against the store before it is kept here)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Placement] = {}
 
-    def remember(self, body: Mapping[str, Any]) -> str | None:
-        status = body.get("status") or {}
-        rid = status.get("id")
-        if not rid:
-            return None
+    def remember(self, body: Mapping[str, Any], rid: str) -> None:
+        """Keep ``body`` as the object of ``rid``: only an id the store says is its own."""
         meta = body.get("metadata") or {}
         self._by_id[rid] = Placement(
             namespace=meta.get("namespace", ""),
             name=meta.get("name", ""),
-            status=status,
+            status=body.get("status") or {},
             generation=meta.get("generation"),
             body=body,
+            uid=str(meta.get("uid")),
         )
-        return str(rid)
 
     def forget(self, body: Mapping[str, Any]) -> None:
         rid = (body.get("status") or {}).get("id")
-        meta = body.get("metadata") or {}
         place = self._by_id.get(rid) if rid else None
-        if place is not None and (place.namespace, place.name) == (
-            meta.get("namespace"),
-            meta.get("name"),
-        ):
+        if place is not None and place.same_object(body):
             del self._by_id[str(rid)]
 
     def where(self, rid: str) -> Placement | None:
@@ -125,6 +136,7 @@ class Projector:
         concurrency: int = 16,
     ):
         self.service = service
+        self.owners = ReservationOwners(service.db)
         self.nodes = nodes
         self.kube = kube
         self.objects = objects
@@ -141,10 +153,45 @@ class Projector:
         self.projected = 0
 
     async def remember(self, body: Mapping[str, Any]) -> None:
-        """The watch saw a Reservation: keep where it lives, and announce what waited for it."""
-        rid = self.objects.remember(body)
-        for event in self._unannounced.pop(rid or "", ()):
+        """The watch saw a Reservation: keep where it lives, and announce what waited for it.
+
+        Only under a ``status.id`` the store says is this object's own: any other (a tenant's
+        write naming another reservation, or one this object was refused) is ignored."""
+        rid = await self._own_id(body)
+        if rid is None:
+            return
+        self.objects.remember(body, rid)
+        for event in self._unannounced.pop(rid, ()):
             await self.announce(event)
+
+    async def _own_id(self, body: Mapping[str, Any]) -> str | None:
+        rid = (body.get("status") or {}).get("id")
+        if not isinstance(rid, str) or not rid:
+            return None
+        known = self.objects.where(rid)
+        if known is not None and known.same_object(body):
+            return rid  # checked when it was first kept
+        meta = body.get("metadata") or {}
+        try:
+            owned = await self.owners.owns(
+                rid,
+                object_uid=str(meta.get("uid")),
+                namespace=str(meta.get("namespace")),
+                name=str(meta.get("name")),
+            )
+        except StoreError as e:
+            # Its next watch event (every status the projector writes is one) asks again.
+            log.warning("could not check the reservation of %s: %s", meta.get("name"), e)
+            return None
+        if not owned:
+            log.info(
+                "Reservation %s/%s names %s in its status, which is not its own: not projected",
+                meta.get("namespace"),
+                meta.get("name"),
+                rid,
+            )
+            return None
+        return rid
 
     def mark(self, rid: str) -> None:
         """Project ``rid`` soon (non-blocking; safe from any callback on the loop)."""

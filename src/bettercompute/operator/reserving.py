@@ -11,6 +11,15 @@ name the same reservation, and the first to claim it (a row in the store, atomic
 replicas) owns it. The other is refused with ``CONFLICT`` naming the owner and never acts on
 the reservation: not by ``spec.release``, an extend, a renew, nor its deletion.
 
+The reservation an object's ``status.id`` names is believed only when the store's claim of it
+names this very object (namespace, name and uid): a tenant allowed to write its Reservation's
+status could write another reservation's id there, and an operator that believed it would show
+that reservation on the tenant's object (or release it when the object is deleted). Claims are
+written only from the service's answers (a create's, a confirmation's), never from a status.
+An object whose id does not check out is handled as one never admitted: its own spec is
+admitted again (the same key reaches its own reservation, with no second decision once past
+the draft), which also writes its true id over the one written there.
+
 What it must never do: decide. Whether a request is valid, allowed, within quota or placeable
 is the core's answer; this module only carries it both ways.
 """
@@ -69,13 +78,12 @@ class ReservationDoor:
         self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
     ) -> float | None:
         """Create (or, for an object already admitted, re-read) the reservation."""
+        body = await self._trusted(body)
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         rid = status.get("id")
         if rid:  # admitted before (a resume): show what is stored now
             view = await self.service.snapshot(str(rid))
             if view is not None:
-                if (taken := await self._taken(body, str(rid))) is not None:
-                    return await self._refuse(body, taken, operation="create", disown=True)
                 await self._show(body, view)
                 return None
         try:
@@ -103,6 +111,7 @@ class ReservationDoor:
         self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
     ) -> float | None:
         """Act on what changed in ``spec`` and the renew annotation since it was last acted on."""
+        body = await self._trusted(body)
         meta, spec, status = (
             body.get("metadata") or {},
             body.get("spec") or {},
@@ -117,8 +126,6 @@ class ReservationDoor:
             caller = await self._caller(meta, tenant)
         except ComputeError as e:
             return await self._refuse(body, e, operation="update")
-        if (taken := await self._taken(body, str(rid))) is not None:
-            return await self._refuse(body, taken, operation="update", disown=True)
         target = {"tenantId": tenant, "reservationId": rid}
         if status.get("state") == states.State.AWAITING_CONFIRMATION.value:
             answered = await self._answer(body, tenant)
@@ -282,11 +289,10 @@ class ReservationDoor:
         An object that does not own the reservation its status names goes without a word: the
         reservation is its owner's to release.
         """
+        body = await self._trusted(body)
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         rid = status.get("id")
         if not rid or status.get("state") in TERMINAL:
-            return
-        if await self._taken(body, str(rid)) is not None:
             return
         try:
             tenant = definitions.tenant_of(meta.get("namespace", ""), tenant_labels)
@@ -302,6 +308,30 @@ class ReservationDoor:
         return await self.delegations.caller(caller)
 
     # --- ownership -----------------------------------------------------------------------------
+
+    async def _trusted(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``body`` as the operator may believe it: its ``status.id`` kept only when the store's
+        claim of that reservation names this object; otherwise the object reads as never
+        admitted (the rest of its status, the tenant's to write too, decides nothing)."""
+        status = body.get("status") or {}
+        rid = status.get("id")
+        if not rid:
+            return body
+        meta = body.get("metadata") or {}
+        if await self.owners.owns(
+            str(rid),
+            object_uid=str(meta.get("uid")),
+            namespace=str(meta.get("namespace")),
+            name=str(meta.get("name")),
+        ):
+            return body
+        log.info(
+            "Reservation %s/%s names %s in its status, which is not its own: admitted anew",
+            meta.get("namespace"),
+            meta.get("name"),
+            rid,
+        )
+        return {**body, "status": {k: v for k, v in status.items() if k != "id"}}
 
     async def _taken(self, body: Mapping[str, Any], rid: str) -> ComputeError | None:
         """Claim ``rid`` for this object; the refusal to show when another object owns it."""

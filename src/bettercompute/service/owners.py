@@ -5,8 +5,10 @@ requester) name the same stored reservation. Only one may act for it: the other 
 deleting it can never release the first object's reservation. The store settles who came
 first in one row, atomically across operator replicas.
 
-The pod webhooks ask it whose a reservation (or a reservation's resource name) is: the claim
-is written by the operator alone, never from a field a tenant can write.
+The pod webhooks ask it whose a reservation (or a reservation's resource name) is, and the
+operator whether a Reservation's ``status.id`` is really its own before it acts on it or
+projects onto it: the claim is written by the operator alone, from the service's answers,
+never from a field a tenant can write.
 
 What it must never do: touch the reservation itself. The HTTP API's same-key replay does not
 come through here and keeps the guide's behaviour.
@@ -43,6 +45,19 @@ class ReservationOwners:
     async def owner(self, reservation_id: str) -> Owner | None:
         """The object that claimed ``reservation_id``, if any."""
         return await owners.read(self.db, reservation_id)
+
+    async def owns(
+        self, reservation_id: str, *, object_uid: str, namespace: str, name: str
+    ) -> bool:
+        """Whether the store's claim of ``reservation_id`` names exactly this object (its
+        namespace, name and uid): the one test of a reservation id read from a status, which a
+        tenant may be able to write."""
+        owner = await owners.read(self.db, reservation_id)
+        return owner is not None and (owner.namespace, owner.name, owner.object_uid) == (
+            namespace,
+            name,
+            object_uid,
+        )
 
     async def owner_of_resource(self, resource: str) -> Owner | None:
         """The object that owns the reservation advertised as ``resource``, if any."""
