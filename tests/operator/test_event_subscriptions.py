@@ -90,10 +90,13 @@ async def reserve(op: Operator, key: str, *, tenant: str = "acme") -> str:
     return str(view["id"])
 
 
+#: The receivers listen on loopback: subscribed and delivered to only because it is allowed.
+LOOPBACK = ("127.0.0.1",)
+
+
 @pytest.fixture
 async def operator(start_operator: Callable[..., Any]) -> AsyncIterator[Operator]:
-    # The receivers listen on loopback: deliveries go there only because it is allowed.
-    async with start_operator(event_webhook_allow=("127.0.0.1",)) as op:
+    async with start_operator(event_webhook_allow=LOOPBACK) as op:
         yield op
 
 
@@ -219,13 +222,13 @@ async def test_delete_disables_the_subscription(
 async def test_a_restart_makes_no_second_subscription(
     kube_api: KubeApi, db: Database, start_operator: Callable[..., Any]
 ):
-    async with start_operator():
+    async with start_operator(event_webhook_allow=LOOPBACK):
         await apply_world(kube_api, db)
         await kube_api.create(esub("hooks", "http://127.0.0.1:9/hook"))
         obj = await kube_api.wait_for(ESUBS, "ml", "hooks", subscribed)
         sid = _status(obj)["subscriptionId"]
         key = secret_of(kube_api, "ml", "hooks-signing")
-    async with start_operator():
+    async with start_operator(event_webhook_allow=LOOPBACK):
         await kube_api.patch(ESUBS, "ml", "hooks", {"spec": {"eventTypes": ["reservation.active"]}})
         await kube_api.wait_for(ESUBS, "ml", "hooks", lambda o: _status(o).get("types") == "active")
     [row] = await rows(db, "acme")
@@ -238,14 +241,14 @@ async def test_an_orphan_of_a_crash_is_disabled_not_doubled(
 ):
     """A subscription made but never recorded in status (the operator stopped between the
     two writes): the next run disables it and subscribes once."""
-    async with start_operator():
+    async with start_operator(event_webhook_allow=LOOPBACK):
         await apply_world(kube_api, db)
         await kube_api.create(esub("hooks", "http://127.0.0.1:9/hook"))
         await kube_api.wait_for(ESUBS, "ml", "hooks", subscribed)
     # As if the status write had never happened, and the Secret never been written.
     await kube_api.patch(ESUBS, "ml", "hooks", {"status": None}, status=True)
     await kube_api.delete(SECRETS, "ml", "hooks-signing")
-    async with start_operator():
+    async with start_operator(event_webhook_allow=LOOPBACK):
         obj = await kube_api.wait_for(ESUBS, "ml", "hooks", subscribed)
     states = [(r["id"], r["state"]) for r in await rows(db, "acme")]
     assert [s for _, s in states] == ["disabled", "active"]
@@ -327,3 +330,32 @@ async def test_a_subscription_in_tenant_bs_namespace_never_gets_tenant_as_events
         assert found is not None
         assert found["n"] == 0
         assert globex.received == []
+
+
+@pytest.mark.usefixtures("two_tenants")
+async def test_a_url_the_operator_does_not_allow_is_refused_and_never_subscribed(
+    kube_api: KubeApi, db: Database
+):
+    """An internal address the operator's ``--event-webhook-allow`` does not take (here only
+    127.0.0.1 is): nothing is subscribed, and ``Ready=False`` names ``spec.url``. Changing a
+    subscribed object's URL to one is refused the same way, and its subscription keeps the
+    URL it had."""
+    await kube_api.create(esub("inside", "http://10.0.0.5/hook"))
+    obj = await kube_api.wait_for(
+        ESUBS, "ml", "inside", lambda o: _ready(o).get("status") == "False"
+    )
+    assert _ready(obj)["reason"] == "INVALID_INPUT"
+    assert _ready(obj)["message"].startswith("spec.url: 10.0.0.5 is not a public address")
+    assert await rows(db, "acme") == []
+
+    await kube_api.create(esub("hooks", "http://127.0.0.1:9/hook"))
+    await kube_api.wait_for(ESUBS, "ml", "hooks", subscribed)
+    await kube_api.patch(
+        ESUBS, "ml", "hooks", {"spec": {"url": "http://169.254.169.254/latest/meta-data/"}}
+    )
+    obj = await kube_api.wait_for(
+        ESUBS, "ml", "hooks", lambda o: _ready(o).get("status") == "False"
+    )
+    assert "cloud metadata address" in _ready(obj)["message"]
+    [row] = await rows(db, "acme")
+    assert (row["url"], row["state"]) == ("http://127.0.0.1:9/hook", "active")

@@ -12,6 +12,13 @@ operator allows more with an allowlist of CIDRs and host names (``EgressPolicy.p
 The cloud metadata addresses (``METADATA``) are refused even when an allowed CIDR covers them:
 no webhook receiver lives there, and their answers are credentials.
 
+The same rule answers early, when a subscription is made or changed (``literal_address``):
+a URL whose host is an address written out (in any form a resolver reads as one: dotted,
+``2130706433``, ``0x7f.1``, ``[::1]``) or a name that is loopback by definition (``localhost``
+and ``*.localhost``, RFC 6761) is checked there, so a tenant learns at once that it will never
+be delivered to. Other names are not resolved then: the answer to an internal name would tell
+a tenant what the cluster's DNS holds, and a name resolves anew at every delivery anyway.
+
 What it must never do: resolve a name or open a connection (``service.egress`` does, and asks
 this module about every address it is about to connect to), or allow by default anything that
 is not a global unicast address.
@@ -81,6 +88,67 @@ def _host_key(host: str) -> str:
     return host.strip().rstrip(".").lower()
 
 
+#: What a name that is loopback by definition (``localhost``) stands for.
+LOOPBACK: tuple[IPAddress, ...] = (
+    ipaddress.IPv4Address("127.0.0.1"),
+    ipaddress.IPv6Address("::1"),
+)
+
+
+def _number(part: str) -> int | None:
+    """One part of an IPv4 address as ``inet_aton`` reads it: decimal, octal (a leading 0)
+    or hexadecimal (``0x``); ``None`` when it is none of these."""
+    digits, base = part, 10
+    if part[:2] in ("0x", "0X"):
+        digits, base = part[2:], 16
+    elif len(part) > 1 and part[0] == "0":
+        digits, base = part[1:], 8
+    allowed = {10: "0123456789", 8: "01234567", 16: "0123456789abcdefABCDEF"}[base]
+    if not digits or any(c not in allowed for c in digits):
+        return None
+    return int(digits, base)
+
+
+def _ipv4_numbers(text: str) -> ipaddress.IPv4Address | None:
+    """``text`` as the C library's resolver reads an IPv4 address (``inet_aton``): one to four
+    parts, the last filling the bytes left (``127.1``, ``2130706433``, ``0x7f.0.0.01``)."""
+    parts = text.split(".")
+    if not 1 <= len(parts) <= 4:
+        return None
+    values = [_number(p) for p in parts]
+    if any(v is None for v in values):
+        return None
+    *head, last = [v for v in values if v is not None]
+    if any(v > 255 for v in head) or last >= 256 ** (4 - len(head)):
+        return None
+    value = 0
+    for v in head:
+        value = value * 256 + v
+    return ipaddress.IPv4Address((value << (8 * (4 - len(head)))) | last)
+
+
+def literal_address(host: str) -> tuple[IPAddress, ...] | None:
+    """The addresses a URL's host stands for without asking DNS: an address written out in any
+    form a resolver takes as one (IPv6 with or without brackets and zone, IPv4 in the
+    ``inet_aton`` forms), or loopback for ``localhost`` and ``*.localhost``. ``None`` for any
+    other name (resolved only when a delivery connects)."""
+    text = host.strip().removeprefix("[").removesuffix("]").partition("%")[0]
+    if text.endswith(".") and not text.endswith(".."):
+        text = text[:-1]
+    if not text:
+        return None
+    if ":" in text:
+        try:
+            return (ipaddress.IPv6Address(text),)
+        except ValueError:
+            return None
+    name = text.lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return LOOPBACK
+    v4 = _ipv4_numbers(text)
+    return None if v4 is None else (v4,)
+
+
 @dataclass(frozen=True)
 class EgressPolicy:
     """Global unicast addresses, plus ``networks`` and the addresses of the names in ``hosts``
@@ -133,6 +201,16 @@ class EgressPolicy:
         if host is not None and _host_key(host) in self.hosts:
             return True
         return any(address.version == n.version and address in n for n in self.networks)
+
+    def refuses_host(self, host: str) -> str | None:
+        """Why no delivery to a URL with this host could ever be made, judged without DNS
+        (``literal_address``): the reason of its address, or ``None`` when it is allowed or
+        is a name to resolve at delivery."""
+        addresses = literal_address(host)
+        if addresses is None or any(self.allows(a, host=host) for a in addresses):
+            return None
+        first = addresses[0]
+        return refusal(first) or "a cloud metadata address"
 
     def describe(self) -> str:
         """The allowlist, for a log line."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import kopf
 
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
@@ -356,7 +357,11 @@ def _node_certificate_handlers(registry: kopf.OperatorRegistry) -> None:
 def _subscriptions(memo: Any) -> subscribing.SubscriptionDoor:
     runtime = _runtime(memo)
     return subscribing.SubscriptionDoor(
-        service=runtime.service, kube=runtime.kube, clock=runtime.projector.clock
+        service=runtime.service,
+        kube=runtime.kube,
+        clock=runtime.projector.clock,
+        # Checked when the operator started (an unparseable list never gets this far).
+        allowlist=EgressPolicy.parse(runtime.config.event_webhook_allow),
     )
 
 

@@ -23,7 +23,9 @@ garbage collector removes it with the object.
   ``eventSubscriptions.namespaces``); elsewhere the API server refuses and the object shows
   ``Ready=False``, reason ``SecretForbidden``, its subscription disabled the same way.
 - Invalid input the CRD let through, or a tenant not known yet: ``Ready=False`` with the error's
-  code as reason, never an exception out of the handler.
+  code as reason, never an exception out of the handler. A URL whose host is an internal
+  address (or ``localhost``) that the operator's ``--event-webhook-allow`` does not take is
+  such input (``INVALID_INPUT`` on ``spec.url``): no delivery could ever reach it.
 
 What it must never do: log or put the secret anywhere but the Secret, write a Secret outside
 the object's namespace, or act for a tenant other than its namespace's.
@@ -36,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bettercompute.core import ports, requests
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.kube import names, resources
 from bettercompute.kube.client import KubeClient, KubeError
@@ -149,11 +152,18 @@ class SubscriptionDoor:
     """What the EventSubscription handlers call: apply, delete, show."""
 
     def __init__(
-        self, *, service: ReservationService, kube: KubeClient, clock: Callable[[], str]
+        self,
+        *,
+        service: ReservationService,
+        kube: KubeClient,
+        clock: Callable[[], str],
+        allowlist: EgressPolicy | None = None,
     ) -> None:
         self.service = service
         self.kube = kube
         self.clock = clock
+        #: The operator's ``--event-webhook-allow``: a URL no delivery could reach is refused.
+        self.allowlist = allowlist
 
     async def apply(
         self, body: Mapping[str, Any], *, tenant_labels: Mapping[str, str] | None
@@ -165,6 +175,7 @@ class SubscriptionDoor:
         try:
             tenant = definitions.tenant_of(namespace, tenant_labels)
             url, types = parse(body.get("spec") or {}, tenant_id=tenant)
+            webhooks.check_url(url, self.allowlist, field="spec.url")
         except ComputeError as e:
             await self._refused(body, e.code.value, e.message)
             return RETRY_S if e.details.get("field") == "metadata.namespace" else None

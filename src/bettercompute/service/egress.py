@@ -12,6 +12,10 @@ no proxy from the environment is used.
 A refused address raises ``Blocked`` (an ``httpx.ConnectError``); its message is generic. The
 details (the host, the address, why) go to this process's log at INFO, for the operator.
 
+``url_refusal`` is the early answer for a subscription's URL, made when it is created or
+changed: only a host that is an address written out, or ``localhost``, is judged then
+(``core.egress.literal_address``); a name is never resolved there.
+
 What it must never do: connect to an address it has not checked, or put a resolved address,
 a port or the system's error text in an exception a tenant may be shown.
 """
@@ -114,6 +118,18 @@ class _GuardedTransport(httpx.AsyncHTTPTransport):
             keepalive_expiry=5.0,
             network_backend=_GuardedBackend(policy),
         )
+
+
+def url_refusal(url: str, policy: EgressPolicy) -> tuple[str, str] | None:
+    """``(host, why)`` when no delivery to ``url`` could ever be made under ``policy``, judged
+    without DNS; ``None`` when it may be (a name is judged at each delivery). The host is read
+    as this client reads it to connect."""
+    try:
+        host = httpx.URL(url).raw_host.decode("ascii")
+    except (httpx.InvalidURL, UnicodeError):
+        return None  # the URL's own check refuses what cannot be parsed
+    why = policy.refuses_host(host)
+    return None if why is None else (host, why)
 
 
 def client(policy: EgressPolicy, *, timeout_s: float) -> httpx.AsyncClient:

@@ -28,8 +28,9 @@ from bettercompute import supervising
 from bettercompute.core import answers, errors, ids, pools, ports, requests, states
 from bettercompute.core import attestation as attestation_
 from bettercompute.core import usage as core_usage
+from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
-from bettercompute.service import batching
+from bettercompute.service import batching, webhooks
 from bettercompute.service import usage as usage_reports
 from bettercompute.store import (
     admission,
@@ -98,8 +99,13 @@ class ReservationService:
         holder: holding.Holder | None = None,
         attestation: attestation_.Attestation | None = None,
         confirmation_deadline: dt.timedelta = CONFIRMATION_DEADLINE_MAX,
+        webhook_allowlist: EgressPolicy | None = None,
     ):
         self.db = db
+        # Where event webhooks may go beyond public addresses (the operator's allowlist, as
+        # the deliveries use it): a subscription's URL is checked against it when made
+        # (``webhooks.check_url``). ``None``: not known here, so only what no allowlist allows.
+        self.webhook_allowlist = webhook_allowlist
         if confirmation_deadline <= dt.timedelta(0):
             raise ValueError("confirmation_deadline must be positive")
         # How long a person has to confirm what an agent asked: configurable lower, never more.
@@ -182,6 +188,7 @@ class ReservationService:
         policy: ports.PolicyEngine,
         budget: ports.BudgetCheck,
         attestation: attestation_.Attestation | None = None,
+        webhook_allowlist: EgressPolicy | None = None,
     ) -> ReservationService:
         """A service for ``db``, with the root tenant as the database names it."""
         return cls(
@@ -190,6 +197,7 @@ class ReservationService:
             budget=budget,
             root_tenant_id=await queries.root_tenant(db),
             attestation=attestation,
+            webhook_allowlist=webhook_allowlist,
         )
 
     # --- pre-check -------------------------------------------------------------------------
@@ -847,9 +855,12 @@ class ReservationService:
         self, caller: ports.Caller, data: Mapping[str, Any]
     ) -> answers.Subscription:
         """``events.subscriptions.create``: a new subscription, answered with its secret (32
-        random bytes as hex), which is never shown again."""
+        random bytes as hex), which is never shown again. A URL no delivery could ever reach
+        (its host an internal address the allowlist does not take: ``webhooks.check_url``) is
+        ``INVALID_INPUT`` on ``url``."""
         value = requests.parse(requests.SubscriptionCreateInput, data)
         self._precheck(caller, value.tenantId)
+        webhooks.check_url(value.url, self.webhook_allowlist)
         made = await subscriptions.create(
             self.db,
             tenant_id=value.tenantId,

@@ -21,6 +21,12 @@ answered (its status) or a generic text (``UNREACHABLE``, a timeout), never why 
 failed, which address was tried or which port: that would map the cluster's network for
 whoever subscribes.
 
+The same rule is applied early, when a subscription is made or its URL changed
+(``check_url``): a URL whose host is an address the deliveries would refuse (written out in
+any form, or ``localhost``) is ``INVALID_INPUT`` on ``url``, unless the operator's allowlist
+takes it. Names are not resolved then (see ``core.egress``). A service not told the allowlist
+refuses there only what no allowlist can allow, the cloud metadata addresses.
+
 The functions at the end are what the operator's ``EventSubscription`` objects need beside
 the API's create and delete (``operator/subscribing.py``): an update in place, the
 subscriptions an object made, and the delivery log in figures.
@@ -36,6 +42,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import random
@@ -47,7 +54,7 @@ from typing import Any
 import httpx
 
 from bettercompute import supervising
-from bettercompute.core import answers, requests
+from bettercompute.core import answers, errors, requests
 from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import StoreError
 from bettercompute.service import egress
@@ -65,6 +72,32 @@ SIGNATURE_HEADER = "X-Better-Compute-Signature"
 #: The delivery log's error for every attempt that reached no receiver: refused, unresolvable,
 #: not allowed by the egress policy, or no connection within the timeout.
 UNREACHABLE = "the receiver could not be reached"
+
+
+#: The allowlist assumed where the operator's is not known: anything an allowlist could allow
+#: passes the early check, so only the cloud metadata addresses are refused there (every
+#: delivery still checks with the real one).
+UNKNOWN_ALLOWLIST = EgressPolicy(
+    networks=(ipaddress.IPv4Network("0.0.0.0/0"), ipaddress.IPv6Network("::/0"))
+)
+
+
+def check_url(url: str, allowlist: EgressPolicy | None, *, field: str = "url") -> None:
+    """``INVALID_INPUT`` naming ``field`` when no delivery to ``url`` could ever be made: its
+    host is an address (or ``localhost``) that neither is public nor on ``allowlist``
+    (``None``: not known here, see ``UNKNOWN_ALLOWLIST``)."""
+    refused = egress.url_refusal(url, allowlist or UNKNOWN_ALLOWLIST)
+    if refused is None:
+        return
+    host, why = refused
+    if why == "a cloud metadata address":
+        reason = f"{host} is a cloud metadata address: webhooks are never delivered there"
+    else:
+        reason = (
+            f"{host} is not a public address ({why}): webhooks are delivered only to public "
+            "addresses and to those the operator allows"
+        )
+    raise errors.invalid_input(field, reason, host=host)
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -236,15 +269,23 @@ class WebhookDelivery:
 
 
 async def update_subscription(
-    db: Database, *, tenant_id: str, subscription_id: str, url: str, event_types: Sequence[str]
+    db: Database,
+    *,
+    tenant_id: str,
+    subscription_id: str,
+    url: str,
+    event_types: Sequence[str],
+    allowlist: EgressPolicy | None = None,
 ) -> answers.Subscription | None:
     """Point an active subscription at another URL and event types, checked as
-    ``events.subscriptions.create`` checks them (INVALID_INPUT); its secret and log stay.
-    ``None`` when the tenant has no such active subscription."""
+    ``events.subscriptions.create`` checks them (INVALID_INPUT, the URL's host against
+    ``allowlist`` too: ``check_url``); its secret and log stay. ``None`` when the tenant has no
+    such active subscription."""
     value = requests.parse(
         requests.SubscriptionCreateInput,
         {"tenantId": tenant_id, "url": url, "eventTypes": list(event_types)},
     )
+    check_url(value.url, allowlist)
     return await subscriptions.update(
         db,
         tenant_id=value.tenantId,
