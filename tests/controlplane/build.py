@@ -20,12 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from bettercompute.dev.controlplane.binary import COMMANDS, RELATIVE
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-OUTPUT = ROOT / ".cache" / "controlplane"
-BINARY = OUTPUT / "controlplane"
-#: The names the one binary answers to (it reads its first argument, or the name it is run as).
-COMMANDS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+#: Where ``better-compute dev --kube`` looks for it (``bettercompute.dev.controlplane.binary``).
+BINARY = ROOT / RELATIVE
+OUTPUT = BINARY.parent
 
 
 class BuildError(RuntimeError):

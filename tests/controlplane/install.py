@@ -1,18 +1,7 @@
-"""Install what the Helm chart installs into the real control plane, as ``helm install`` would.
-
-Why it exists: a missing RBAC rule, a CRD the real structural-schema check refuses, a webhook
-configuration the real API server cannot call: each must fail a test here, not a platform
-team's install. So the objects come from rendering the chart (``tests/chart/rendering.py``,
-Helm's own engine) with the values given, and are applied as they are, with two changes a
-cluster without a pod network needs, both said where they are made:
-
-- workloads (the operator's StatefulSet, the device plugin's DaemonSet, the CRD-upgrade Job)
-  are not applied: the tests run those programs as processes, under the chart's service
-  accounts, with tokens from the TokenRequest API;
-- each webhook's ``clientConfig.service`` becomes a ``url`` on 127.0.0.1 at the operator's
-  webhook port (the API server cannot reach a Service without a pod network); the operator
-  still makes its certificate (with 127.0.0.1 among its names) and writes its CA into
-  ``caBundle`` itself, as it does in a cluster.
+"""Install what the Helm chart installs into the real control plane, as ``helm install`` would:
+``bettercompute.dev.controlplane.chart`` (the one copy, which ``better-compute dev --kube``
+runs too), with the tests' render (``tests/chart/rendering.py``, values per test) and what the
+tests need between them: ``empty``, which leaves the next test a freshly installed chart.
 
 What it must never do: change an RBAC rule, a CRD or a webhook's rules, or apply anything the
 chart does not render.
@@ -29,25 +18,29 @@ from typing import Any
 import helm_python
 import yaml
 
+from bettercompute.dev.controlplane import chart as product_chart
+from bettercompute.dev.controlplane.chart import ORDER, WORKLOADS, install_crds, to_loopback
 from tests.chart import rendering
 from tests.controlplane.cluster import ApiError, ControlPlane, object_path
 
+__all__ = [
+    "NAMESPACE",
+    "ORDER",
+    "OUR_KINDS",
+    "RELEASE",
+    "WORKLOADS",
+    "Installed",
+    "crds",
+    "empty",
+    "install",
+    "install_crds",
+    "to_loopback",
+    "write_values",
+]
+
 NAMESPACE = rendering.NAMESPACE
 RELEASE = rendering.RELEASE
-#: What runs as a process in the tests instead of a pod.
-WORKLOADS = frozenset({"StatefulSet", "DaemonSet", "Deployment", "Job", "PodDisruptionBudget"})
-#: Applied first, as Helm orders an install (kinds it does not list go last).
-ORDER = (
-    "Namespace",
-    "ServiceAccount",
-    "Secret",
-    "ConfigMap",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "Service",
-)
+assert (NAMESPACE, RELEASE) == (product_chart.NAMESPACE, product_chart.RELEASE)
 
 
 @dataclass(frozen=True)
@@ -71,38 +64,7 @@ class Installed:
 
 def crds() -> list[dict[str, Any]]:
     """The chart's CRDs (its ``crds/`` directory, which Helm installs before the templates)."""
-    found = []
-    for path in sorted((rendering.CHART / "crds").glob("*.yaml")):
-        found.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return found
-
-
-def install_crds(plane: ControlPlane, *, timeout_s: float = 60.0) -> None:
-    """Apply the CRDs and wait until the API server serves each (``Established``)."""
-    definitions = crds()
-    for crd in definitions:
-        plane.apply(crd)
-    deadline = time.monotonic() + timeout_s
-    for crd in definitions:
-        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
-        while True:
-            status = (plane.get(path) or {}).get("status") or {}
-            conditions = {c["type"]: c for c in status.get("conditions") or ()}
-            if conditions.get("Established", {}).get("status") == "True":
-                break
-            problem = conditions.get("NamesAccepted", {})
-            if problem.get("status") == "False" or time.monotonic() > deadline:
-                raise AssertionError(f"CRD {crd['metadata']['name']} not established: {status}")
-            time.sleep(0.1)
-
-
-def to_loopback(configuration: Mapping[str, Any], *, port: int) -> dict[str, Any]:
-    """A webhook configuration whose Service references are URLs on 127.0.0.1:``port``."""
-    changed = yaml.safe_load(yaml.safe_dump(dict(configuration)))
-    for webhook in changed.get("webhooks") or ():
-        service = webhook["clientConfig"].pop("service")
-        webhook["clientConfig"]["url"] = f"https://127.0.0.1:{port}{service.get('path', '/')}"
-    return changed
+    return product_chart.crds(rendering.CHART)
 
 
 def install(
@@ -114,49 +76,18 @@ def install(
         rendered = rendering.render(chart, values)
     finally:
         chart.close()
-    install_crds(plane)
-    plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-    objects = [o for o in rendered.objects if o["kind"] not in WORKLOADS]
-
-    def rank(obj: Mapping[str, Any]) -> int:
-        kind = obj["kind"]
-        return ORDER.index(kind) if kind in ORDER else len(ORDER)
-
-    configuration = ""
-    webhooks: list[dict[str, Any]] = []
-    for obj in sorted(objects, key=rank):
-        if obj["kind"].endswith("WebhookConfiguration"):
-            configuration = obj["metadata"]["name"]
-            obj = to_loopback(obj, port=webhook_port)
-            webhooks.append(obj)
-        if obj["kind"] in ("ClusterKopfPeering", "KopfPeering"):
-            # The tests run one operator replica, standalone (no peering to watch).
-            continue
-        plane.apply(obj)
-
-    def account(component: str) -> str:
-        for sa in rendered.of("ServiceAccount"):
-            labels = sa["metadata"].get("labels") or {}
-            if labels.get("app.kubernetes.io/component") == component:
-                return str(sa["metadata"]["name"])
-        raise AssertionError(f"the chart renders no ServiceAccount for {component}")
-
+    applied = product_chart.apply(
+        plane, rendered.objects, chart=rendering.CHART, webhook_port=webhook_port
+    )
     return Installed(
         rendered=rendered,
         webhook_port=webhook_port,
-        operator_account=account("operator"),
-        node_agent_account=account("device-plugin"),
-        webhook_configuration=configuration,
-        webhook_configurations=tuple(webhooks),
-        operator_env=_operator_env(rendered),
+        operator_account=applied.operator_account,
+        node_agent_account=applied.node_agent_account,
+        webhook_configuration=applied.webhook_configuration,
+        webhook_configurations=applied.webhook_configurations,
+        operator_env=applied.operator_env,
     )
-
-
-def _operator_env(rendered: rendering.Rendered) -> dict[str, str]:
-    (workload,) = rendered.of("StatefulSet")
-    containers = workload["spec"]["template"]["spec"]["containers"]
-    operator = next(c for c in containers if "better-compute-operator" in (c.get("command") or ()))
-    return {e["name"]: str(e["value"]) for e in operator.get("env") or () if "value" in e}
 
 
 #: Our namespaced and cluster-scoped kinds, emptied between tests.

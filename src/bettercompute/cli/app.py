@@ -979,6 +979,7 @@ def quota(
         "better-compute dev --sim 4 --port 9090 --metrics-port 9465",
         "better-compute dev --state-dir ./bc-state --fresh --config dev.yaml",
         "better-compute dev --database-url postgresql://bcd@localhost/bcd_scratch",
+        "better-compute dev --kube   # and a real Kubernetes API server: kubectl apply works",
     ),
 )
 def dev(
@@ -1024,13 +1025,32 @@ def dev(
             "the dev config is applied to it). --state-dir still holds the nodes' files.",
         ),
     ] = None,
+    kube: Annotated[
+        bool,
+        typer.Option(
+            "--kube",
+            help="Also start a real Kubernetes control plane on 127.0.0.1 (built in the "
+            "checkout: .venv/bin/python -m tests.controlplane.build), the chart's CRDs, RBAC "
+            "and webhooks and the operator in it, and the simulated nodes as Nodes; prints "
+            "the KUBECONFIG to export and where kubectl is.",
+        ),
+    ] = False,
+    kube_binary: Annotated[
+        Path | None,
+        typer.Option(
+            "--kube-binary",
+            help="The control plane's binary for --kube (default: $BCD_KUBE_BINARY, else "
+            ".cache/controlplane/controlplane of the checkout).",
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Run a complete server on this machine: embedded PostgreSQL, the API and simulated nodes."""
     with calls.reporting(None):
         # Imported here, not at the top: --help and every other command must work without the
         # dev server's dependencies (the 'dev' extra: embedded PostgreSQL, the simulator).
         with extras.needs(extras.DEV, program="better-compute dev"):
-            from bettercompute.dev import running
+            from bettercompute.dev import kubernetes, running
         try:
             running.run(
                 port=port,
@@ -1041,6 +1061,7 @@ def dev(
                 fresh=fresh,
                 host=host,
                 database_url=database_url,
+                kube=kubernetes.KubeOptions(binary=kube_binary) if kube else None,
             )
         except KeyboardInterrupt:
             output.note("Stopped.")

@@ -56,7 +56,7 @@ from bettercompute.api.metrics_server import DEFAULT_PORT as DEFAULT_METRICS_POR
 from bettercompute.api.metrics_server import make_metrics_app
 from bettercompute.core.attestation import Attestation, CertificateAuthority
 from bettercompute.core.errors import StoreError
-from bettercompute.dev import applying
+from bettercompute.dev import applying, kubernetes
 from bettercompute.dev import config as dev_config
 from bettercompute.dev.config import ConfigError, LoadedConfig
 from bettercompute.deviceplugin.converging import Converger
@@ -151,6 +151,7 @@ def run(
     fresh: bool = False,
     host: str = "127.0.0.1",
     database_url: str | None = None,
+    kube: kubernetes.KubeOptions | None = None,
 ) -> None:
     """Start the dev stack and block until SIGINT or SIGTERM, then stop it cleanly (exit 0).
 
@@ -169,9 +170,10 @@ def run(
                 fresh=fresh,
                 host=host,
                 database_url=database_url,
+                kube=kube,
             )
         )
-    except (ConfigError, DevError) as e:
+    except (ConfigError, DevError, kubernetes.KubeError) as e:
         err.print(f"[red]Error:[/red] {escape(str(e))}")
         raise SystemExit(1) from None
     except KeyboardInterrupt:
@@ -194,8 +196,11 @@ async def _serve_until_stopped(
     fresh: bool,
     host: str,
     database_url: str | None,
+    kube: kubernetes.KubeOptions | None = None,
 ) -> BaseException | None:
-    signals = supervising.Signals()
+    # --kube: found before anything starts; the operator and the control plane have to stop too.
+    kube = kube.resolved() if kube else None
+    signals = supervising.Signals(grace_s=kubernetes.GRACE_S) if kube else supervising.Signals()
     signals.install()
     try:
         async with started(
@@ -209,12 +214,21 @@ async def _serve_until_stopped(
             signals=signals,
             database_url=database_url,
         ) as dev:
-            print_banner(_stdout(), dev)
-            failure = await dev.watch(signals.stop)
-            Console(stderr=True, highlight=False).print("Stopping…")
-            return failure
+            return await _until_stopped(dev, signals, kube=kube)
     finally:
         signals.remove()
+
+
+async def _until_stopped(
+    dev: Dev, signals: supervising.Signals, *, kube: kubernetes.KubeOptions | None
+) -> BaseException | None:
+    """Print the banner, then wait for a signal or a failure. With ``kube``, the cluster runs
+    beside the stack meanwhile and stops before it (``dev/kubernetes.py``)."""
+    async with kubernetes.beside(dev, kube, signals=signals) as cluster:
+        print_banner(_stdout(), dev, kube=cluster)
+        failure = await dev.watch(signals.stop)
+        Console(stderr=True, highlight=False).print("Stopping…")
+        return failure
 
 
 # --- the stack --------------------------------------------------------------------------------
@@ -551,9 +565,9 @@ def try_it(dev: Dev) -> list[str]:
     ]
 
 
-def print_banner(console: Console, dev: Dev) -> None:
+def print_banner(console: Console, dev: Dev, *, kube: kubernetes.Kube | None = None) -> None:
     """Everything a newcomer needs: URL, tenants, pools, tokens, and lines to paste (printed
-    unwrapped, so a narrow terminal does not break them)."""
+    unwrapped, so a narrow terminal does not break them); with ``kube``, the cluster's."""
     config = dev.loaded.config
     say = console.print
     say(f"[bold green]Better Compute dev[/] is running at [bold]{escape(dev.url)}[/]")
@@ -595,4 +609,6 @@ def print_banner(console: Console, dev: Dev) -> None:
         say("\n[bold]Try it[/] (paste into another shell):")
         for line in lines:
             say(Text(line, style="cyan"), soft_wrap=True)
+    if kube is not None:
+        kubernetes.print_banner(console, kube)
     say("\nPress Ctrl-C to stop.")

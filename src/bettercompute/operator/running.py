@@ -576,6 +576,24 @@ def run(
             "(repeat; the variable takes names separated by spaces).",
         ),
     ] = None,
+    # --- listening on one address (better-compute dev --kube: 127.0.0.1 only) ---
+    http_host: Annotated[
+        str, typer.Option(envvar="BCD_HTTP_HOST", help="Address the HTTP API listens on.")
+    ] = "0.0.0.0",
+    webhook_host: Annotated[
+        str, typer.Option(envvar="BCD_WEBHOOK_HOST", help="Address the webhooks listen on.")
+    ] = "0.0.0.0",
+    webhook_extra_names: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--webhook-extra-name",
+            envvar="BCD_WEBHOOK_EXTRA_NAMES",
+            help="Another name or IP address for the webhook certificate made with "
+            "--webhook-secret, beside the Service's (repeat; the variable takes names "
+            "separated by spaces).",
+        ),
+    ] = None,
+    # --- end of the listening options ---
     priority: Annotated[
         int, typer.Option(envvar="BCD_PEERING_PRIORITY", help="kopf peering priority.")
     ] = 0,
@@ -690,6 +708,9 @@ def run(
         webhook_secret=webhook_secret,
         webhook_service=webhook_service,
         webhook_configurations=tuple(webhook_configurations or ()),
+        http_host=http_host,
+        webhook_host=webhook_host,
+        webhook_extra_names=tuple(webhook_extra_names or ()),
         priority=priority,
         standalone=standalone,
         api_server=api_server,

@@ -30,7 +30,6 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
-import ipaddress
 import logging
 import os
 import ssl
@@ -41,10 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 
+from bettercompute.core.tls import issue, new_authority
 from bettercompute.kube import resources
 from bettercompute.kube.client import KubeClient, KubeError
 
@@ -56,8 +54,6 @@ SERVING_LIFETIME = dt.timedelta(days=365)
 CA_LIFETIME = dt.timedelta(days=3650)
 #: Renew once this share of a certificate's lifetime is left.
 RENEW_AT_REMAINING = 1 / 3
-#: A certificate is valid from a little before it is made: clocks of the API server differ.
-BACKDATE = dt.timedelta(minutes=5)
 
 
 def utc_now() -> dt.datetime:
@@ -82,84 +78,7 @@ class Bundle:
         return x509.load_pem_x509_certificate(self.ca_pem)
 
 
-# --- making certificates (pure, but for the key generation) ------------------------------------
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def new_authority(*, now: dt.datetime, lifetime: dt.timedelta) -> tuple[bytes, bytes]:
-    """A self-signed CA for the webhook: (certificate PEM, key PEM)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "better-compute webhook CA")])
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(now + lifetime)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    return certificate.public_bytes(serialization.Encoding.PEM), _pem_key(key)
-
-
-def issue(
-    *,
-    ca_pem: bytes,
-    ca_key_pem: bytes,
-    names: Sequence[str],
-    now: dt.datetime,
-    lifetime: dt.timedelta,
-) -> tuple[bytes, bytes]:
-    """A serving certificate for ``names`` (DNS names, or IP addresses), signed by the CA."""
-    authority = x509.load_pem_x509_certificate(ca_pem)
-    signer = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if not isinstance(signer, ec.EllipticCurvePrivateKey):
-        raise ValueError("the webhook CA's key is not an EC key")
-    key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = []
-    for name in names:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(name)))
-        except ValueError:
-            sans.append(x509.DNSName(name))
-    ends = min(now + lifetime, authority.not_valid_after_utc)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-        .issuer_name(authority.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(ends)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(signer, hashes.SHA256())
-    )
-    return certificate.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+# --- making certificates: ``core.tls`` (new_authority, issue) ------------------------------------
 
 
 def due(certificate: x509.Certificate, *, now: dt.datetime) -> bool:
