@@ -61,6 +61,7 @@ class ControlPlane(plane.ControlPlane):
         root: Path | None = None,
         users: Mapping[str, tuple[str, ...]] | None = None,
         lifetime: dt.timedelta = pki.LIFETIME,
+        audit: bool = False,
     ) -> Iterator[ControlPlane]:
         """The tests' cluster: ``USERS`` unless ``users`` says, the binary built if needed."""
         with super().running(
@@ -68,6 +69,7 @@ class ControlPlane(plane.ControlPlane):
             root=root,
             users=USERS if users is None else users,
             lifetime=lifetime,
+            audit=audit,
         ) as started:
             assert isinstance(started, ControlPlane)
             yield started

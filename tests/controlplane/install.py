@@ -171,11 +171,12 @@ def empty(
                 if e.status != 404:
                     raise
         time.sleep(0.2)
-    for kind in ("nodes",):
-        listed = plane.get(f"/api/v1/{kind}") or {"items": []}
+    # Nodes, and the CSRs tests' agents and attackers made (cluster-scoped, like Nodes).
+    for path in ("/api/v1/nodes", "/apis/certificates.k8s.io/v1/certificatesigningrequests"):
+        listed = plane.get(path) or {"items": []}
         for obj in listed["items"]:
             try:
-                plane.request("DELETE", f"/api/v1/{kind}/{obj['metadata']['name']}")
+                plane.request("DELETE", f"{path}/{obj['metadata']['name']}")
             except ApiError as e:
                 if e.status != 404:
                     raise

@@ -37,7 +37,8 @@ def control_plane() -> Iterator[ControlPlane]:
     except build.BuildError as e:
         pytest.skip(f"the real control plane cannot be built here: {e}")
     try:
-        with ControlPlane.running(binary=binary) as plane:
+        # The audit log shows who was allowed what (test_real_rbac.py).
+        with ControlPlane.running(binary=binary, audit=True) as plane:
             yield plane
     except ControlPlaneError as e:
         pytest.fail(f"the real control plane did not start: {e}")

@@ -308,6 +308,9 @@ async def started(
             policy=engine,
             budget=backing.budget_check(db),
             attestation=Attestation(authorities=(authority.certificate,)),
+            # An internal webhook URL is refused when a subscription is made, not only when
+            # delivered, unless the dev config's webhooks.allow takes it.
+            webhook_allowlist=loaded.config.webhooks.policy(),
         )
         stack.push_async_callback(service.close)
 

@@ -234,6 +234,9 @@ async def started(
             policy=engine,
             budget=backing.budget_check(db),
             attestation=await node_attestation(kube, config),
+            # An internal webhook URL is refused when a subscription is made, not only when
+            # delivered, unless the operator allowed it (--event-webhook-allow).
+            webhook_allowlist=egress,
         )
         stack.push_async_callback(service.close)
         nodes = NodeService(db)

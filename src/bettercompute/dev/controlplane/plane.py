@@ -49,6 +49,16 @@ ISSUER = "https://kubernetes.default.svc.cluster.local"
 STARTUP_S = 120.0
 
 
+#: Metadata of every request when it is answered (a watch: when its stream starts) and when it
+#: completes; never the bodies, so Secrets and tokens stay out.
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+"""
+
+
 class ControlPlaneError(RuntimeError):
     """The control plane did not start; the message carries the failing process's log tail."""
 
@@ -87,6 +97,11 @@ class ControlPlane:
     admin: pki.Pair | None = None
     tokens: dict[str, str] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
+    #: Write the API server's audit log (tests read it; a long-running dev cluster does not
+    #: need a file that grows with every request).
+    audit: bool = False
+    #: The audit log (JSON lines, metadata of every request) when ``audit`` is on.
+    audit_log: Path = Path()
     _authority: pki.Authority | None = None
 
     # --- starting and stopping ---------------------------------------------------------
@@ -100,6 +115,7 @@ class ControlPlane:
         root: Path | None = None,
         users: Mapping[str, tuple[str, ...]] | None = None,
         lifetime: dt.timedelta = pki.LIFETIME,
+        audit: bool = False,
     ) -> Iterator[ControlPlane]:
         """Started in ``root`` (a new temporary directory when ``None``; one given must not
         exist or be empty), stopped and ``root`` removed when the block ends."""
@@ -109,7 +125,9 @@ class ControlPlane:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
             if any(root.iterdir()):
                 raise ControlPlaneError(f"{root} is not empty")
-        plane = cls(root=root, binary=binary, users=dict(users or {}), lifetime=lifetime)
+        plane = cls(
+            root=root, binary=binary, users=dict(users or {}), lifetime=lifetime, audit=audit
+        )
         try:
             plane.start()
             yield plane
@@ -157,6 +175,17 @@ class ControlPlane:
         # Who asked for what and what the authorizer decided, one JSON line per request
         # (tests read it to show the chart's RBAC is sufficient and minimal). Metadata only:
         # no request or response bodies, so no Secret or token is ever written to it.
+        audit_args: list[str] = []
+        if self.audit:
+            audit_policy = self.root / "audit-policy.yaml"
+            audit_policy.write_text(AUDIT_POLICY)
+            self.audit_log = self.root / "audit.log"
+            audit_args = [
+                f"--audit-policy-file={audit_policy}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=0",
+            ]
 
         etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{api_port}"
@@ -195,6 +224,7 @@ class ControlPlane:
                 "--allow-privileged=true",
                 "--runtime-config=resource.k8s.io/v1=true",
                 "--profiling=false",
+                *audit_args,
             ],
         )
         context = self.ssl_context(client=self.admin)
