@@ -71,6 +71,9 @@ async def test_the_operator_survives_its_database_going_away(
         status, seconds = await readyz(op.url)
         assert status == 503
         assert seconds < 1.0
+        # Applied while the database is away: its handler fails and is tried again in
+        # seconds, not after kopf's minute of backoff.
+        await kube_api.create(kubeworld.reservation("during").gpus(2).obj())
         # Every loop meets the outage: reconciler and delivery poll, the listeners reconnect.
         await asyncio.sleep(3)
         assert not [t.get_name() for t in op.tasks if t.done()]
@@ -93,5 +96,6 @@ async def test_the_operator_survives_its_database_going_away(
             await asyncio.sleep(0.2)
         await kube_api.create(kubeworld.reservation("after").gpus(2).obj())
         await kube_api.wait_for(RESERVATIONS, "ml", "after", placed, timeout=10)
+        await kube_api.wait_for(RESERVATIONS, "ml", "during", placed, timeout=20)
         before = kube_api.stored(RESERVATIONS, "ml", "before")
         assert await op.runtime.service.snapshot(before["status"]["id"]) is not None

@@ -17,14 +17,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kopf
 
 from bettercompute.core.egress import EgressPolicy
-from bettercompute.core.errors import ComputeError
+from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.pools import PoolDefinition
 from bettercompute.kube import names, resources
 from bettercompute.kube.parsing import ShapeError
@@ -70,6 +71,25 @@ def _first(index: Any, key: Any) -> Any:
 def _retry(delay: float | None) -> None:
     if delay is not None:
         raise kopf.TemporaryError("the core asked to try again later", delay=delay)
+
+
+#: After the database did not answer, a Reservation's handler runs again in this many seconds
+#: (jittered, so a burst cut together does not come back together), not after kopf's own
+#: backoff of a minute: the object would sit in ``draft`` that long.
+STORE_RETRY_S = (1.0, 4.0)
+
+
+@contextlib.asynccontextmanager
+async def _admitting(runtime: Runtime) -> AsyncIterator[None]:
+    """One Reservation event against the store: a share of the pool, and a busy or absent
+    database answered by trying again in seconds."""
+    async with runtime.admitting:
+        try:
+            yield
+        except StoreError as e:
+            raise kopf.TemporaryError(
+                f"the database did not answer: {e}", delay=random.uniform(*STORE_RETRY_S)
+            ) from e
 
 
 def make_registry(
@@ -119,21 +139,27 @@ def make_registry(
         body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
     ) -> None:
         labels = _first(kwargs["namespace_labels"], namespace or "")
-        _retry(await _runtime(memo).door.admit(body, tenant_labels=labels))
+        runtime = _runtime(memo)
+        async with _admitting(runtime):
+            _retry(await runtime.door.admit(body, tenant_labels=labels))
 
     @kopf.on.update(*RESERVATIONS, registry=registry)
     async def reservation_changed(
         body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
     ) -> None:
         labels = _first(kwargs["namespace_labels"], namespace or "")
-        _retry(await _runtime(memo).door.changed(body, tenant_labels=labels))
+        runtime = _runtime(memo)
+        async with _admitting(runtime):
+            _retry(await runtime.door.changed(body, tenant_labels=labels))
 
     @kopf.on.delete(*RESERVATIONS, registry=registry)
     async def reservation_deleted(
         body: kopf.Body, namespace: str | None, memo: Any, **kwargs: Any
     ) -> None:
         labels = _first(kwargs["namespace_labels"], namespace or "")
-        await _runtime(memo).door.deleted(body, tenant_labels=labels)
+        runtime = _runtime(memo)
+        async with _admitting(runtime):
+            await runtime.door.deleted(body, tenant_labels=labels)
 
     @kopf.on.mutate(*RESERVATIONS, id="stamp", operations=["CREATE", "UPDATE"], registry=registry)
     def reservation_stamped(

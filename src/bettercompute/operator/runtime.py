@@ -26,6 +26,10 @@ from bettercompute.service.clusters import ClusterService
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
 
+#: Reservation events handled at once (the operator's pool has 20 connections by default; the
+#: reconciler, the projector and the HTTP API need some too).
+ADMITTING_AT_ONCE = 12
+
 
 @dataclass
 class Runtime:
@@ -48,6 +52,12 @@ class Runtime:
     #: Pools written since start, so a node is never written before its pool.
     applied_pools: set[str] = field(default_factory=set)
     _node_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    #: How many Reservation events reach the store at once. A burst of applies (a thousand
+    #: objects) otherwise asks the connection pool for more than it has, and the waits past
+    #: an interactive request's bound are cut: here they queue in the process instead.
+    admitting: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(ADMITTING_AT_ONCE)
+    )
 
     def node_lock(self, name: str) -> asyncio.Lock:
         """Serialises the writes of one GPUNode (see ``handlers._apply_node``)."""
