@@ -9,6 +9,7 @@ chart does not render.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,22 +45,10 @@ assert (NAMESPACE, RELEASE) == (product_chart.NAMESPACE, product_chart.RELEASE)
 
 
 @dataclass(frozen=True)
-class Installed:
-    rendered: rendering.Rendered
-    webhook_port: int
-    #: The chart's service accounts, by component: ``operator``, ``device-plugin``.
-    operator_account: str
-    node_agent_account: str
-    webhook_configuration: str
-    #: The webhook configurations as applied (their Services turned into loopback URLs).
-    webhook_configurations: tuple[dict[str, Any], ...]
-    #: The operator container's plain environment values (``BCD_*`` settings) as rendered.
-    operator_env: Mapping[str, str]
+class Installed(product_chart.Applied):
+    """What the install applied, and the rendered chart the tests read its roles from."""
 
-    def operator_setting(self, name: str) -> str:
-        if name not in self.operator_env:
-            raise AssertionError(f"the chart's operator container sets no {name}")
-        return self.operator_env[name]
+    rendered: rendering.Rendered
 
 
 def crds() -> list[dict[str, Any]]:
@@ -79,15 +68,8 @@ def install(
     applied = product_chart.apply(
         plane, rendered.objects, chart=rendering.CHART, webhook_port=webhook_port
     )
-    return Installed(
-        rendered=rendered,
-        webhook_port=webhook_port,
-        operator_account=applied.operator_account,
-        node_agent_account=applied.node_agent_account,
-        webhook_configuration=applied.webhook_configuration,
-        webhook_configurations=applied.webhook_configurations,
-        operator_env=applied.operator_env,
-    )
+    kept = {f.name: getattr(applied, f.name) for f in dataclasses.fields(applied)}
+    return Installed(rendered=rendered, **kept)
 
 
 #: Our namespaced and cluster-scoped kinds, emptied between tests.

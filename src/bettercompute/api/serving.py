@@ -55,6 +55,7 @@ the parsed requests waiting; ``_kwargs`` of its ``Server``; ``_loop``); aiohttp 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -142,6 +143,18 @@ def install(app: web.Application, limits: HttpLimits) -> None:
     (``make_app`` installs the defaults, ``Runner`` its own)."""
     app[SHARES] = limits.client_shares()
     app[STREAM_SECONDS] = limits.max_stream_seconds
+
+
+async def listen(
+    stack: contextlib.AsyncExitStack, app: web.Application, limits: HttpLimits, host: str, port: int
+) -> int:
+    """Serve ``app`` on ``host:port`` (0: a free port) until ``stack`` closes; the port bound.
+    ``OSError`` when the address cannot be bound (each composition root words it its way)."""
+    runner = Runner(app, limits=limits)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    await web.TCPSite(runner, host, port).start()
+    return int(runner.addresses[0][1])
 
 
 class Runner(web.AppRunner):

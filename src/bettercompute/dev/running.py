@@ -462,15 +462,10 @@ async def _listen(
     option: str,
 ) -> int:
     """Serve ``app`` on ``host:port`` until ``stack`` closes; the port bound (0: a free one)."""
-    runner = serving.Runner(app, limits=limits)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        return await serving.listen(stack, app, limits, host, port)
     except OSError as e:
         raise DevError(_listen_problem(host, port, e, option=option)) from None
-    return int(runner.addresses[0][1])
 
 
 def _check_port(host: str, port: int, *, option: str = "--port") -> None:

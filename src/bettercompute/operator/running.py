@@ -394,15 +394,10 @@ async def _listen(
     port: int,
 ) -> str:
     """Serve ``app`` on ``host:port`` until ``stack`` closes; its URL (port 0: the one taken)."""
-    runner = serving.Runner(app, limits=limits)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        bound = await serving.listen(stack, app, limits, host, port)
     except OSError as e:
         raise OperatorError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    bound = int(runner.addresses[0][1])
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     return f"http://{shown}:{bound}"
 
