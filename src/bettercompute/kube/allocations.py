@@ -76,6 +76,10 @@ class AllocationSpec(_Written):
     #: A spot reservation being preempted: when its devices go (epoch ms). The node warns the
     #: pods holding them.
     preemptAt: int | None = Field(default=None, ge=0, strict=True)
+    #: How a ``kubernetes`` binding reaches pods: ``devicePlugin`` (extended resources, the
+    #: default when absent) or ``dra`` (the node publishes the devices in its ResourceSlice and
+    #: prepares the claims allocated them; ``kube.dra``).
+    kubernetesApi: Literal["devicePlugin", "dra"] | None = None
     release: bool = False
 
     def document(self) -> dict[str, Any]:
