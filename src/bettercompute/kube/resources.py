@@ -21,6 +21,12 @@ from lightkube.resources.certificates_v1 import (
     CertificateSigningRequestStatus,
 )
 from lightkube.resources.core_v1 import Event, Namespace, Node, Secret, ServiceAccount
+from lightkube.resources.resource_v1 import (
+    DeviceClass,
+    ResourceClaim,
+    ResourceClaimTemplate,
+    ResourceSlice,
+)
 
 from bettercompute.kube.names import GROUP, VERSION
 
@@ -46,3 +52,9 @@ TOKEN_REVIEWS = TokenReview
 CERTIFICATE_SIGNING_REQUESTS = CertificateSigningRequest
 CSR_APPROVAL = CertificateSigningRequestApproval
 CSR_STATUS = CertificateSigningRequestStatus
+#: Dynamic Resource Allocation (``resource.k8s.io/v1``, ``kube.dra``): the node agent's slices,
+#: the claims it prepares, the operator's claim templates, the chart's DeviceClass.
+RESOURCE_SLICES = ResourceSlice
+RESOURCE_CLAIMS = ResourceClaim
+RESOURCE_CLAIM_TEMPLATES = ResourceClaimTemplate
+DEVICE_CLASSES = DeviceClass
