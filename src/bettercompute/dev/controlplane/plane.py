@@ -533,6 +533,10 @@ _PLURALS = {
         "validatingadmissionpolicybindings",
         False,
     ),
+    "DeviceClass": ("resource.k8s.io", "v1", "deviceclasses", False),
+    "ResourceSlice": ("resource.k8s.io", "v1", "resourceslices", False),
+    "ResourceClaim": ("resource.k8s.io", "v1", "resourceclaims", True),
+    "ResourceClaimTemplate": ("resource.k8s.io", "v1", "resourceclaimtemplates", True),
     "ClusterKopfPeering": ("kopf.dev", "v1", "clusterkopfpeerings", False),
     "KopfPeering": ("kopf.dev", "v1", "kopfpeerings", True),
 }
