@@ -177,9 +177,10 @@ def values() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def kind_cluster(workdir: Path) -> Iterator[Cluster]:
-    """Build the image, create the cluster, load the images, start PostgreSQL; delete the
-    cluster afterwards unless BCD_E2E_KEEP=1."""
+def kind_cluster(workdir: Path, *, config: Path = HERE / "kind.yaml") -> Iterator[Cluster]:
+    """Build the image, create the cluster (``config``: kind's cluster file, whose nodes may
+    name their node image), load the images, start PostgreSQL; delete the cluster afterwards
+    unless BCD_E2E_KEEP=1."""
     run("docker", "build", "-t", IMAGE, "--build-arg", "VERSION=e2e", str(ROOT), timeout=1800)
     run(
         "docker",
@@ -206,7 +207,7 @@ def kind_cluster(workdir: Path) -> Iterator[Cluster]:
         "--name",
         name,
         "--config",
-        str(HERE / "kind.yaml"),
+        str(config),
         "--kubeconfig",
         str(kubeconfig),
         "--wait",
