@@ -303,7 +303,12 @@ CONSTRAINTS = (
     "minItems",
     "maxItems",
     "int-or-string",
+    "bool-or-object",
 )
+
+#: The CEL rule a CRD writes for a model's ``bool | Model`` union (``policy.kubernetes``): a
+#: schema cannot give one field two types, so the node keeps what is written and this checks it.
+BOOL_OR_OBJECT_RULE = re.compile(r"^type\(self\) == bool \|\| \(type\(self\) == map && ")
 
 
 def model_shape(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
@@ -314,6 +319,10 @@ def model_shape(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[s
         if sorted(o.get("type", "") for o in options) == ["integer", "string"]:
             assert all(set(o) == {"type"} for o in options), f"{path}: a constrained int-or-string"
             return {"int-or-string": True}
+        if sorted(o.get("type", "") for o in options) == ["boolean", "object"]:
+            (obj,) = (o for o in options if o.get("type") == "object")
+            # The object's keys are what the CRD's rule allows (``self.all(k, k == 'api')``).
+            return {"bool-or-object": sorted(obj.get("properties", {}))}
         assert len(options) == 1, f"{path}: a union a CRD cannot mirror: {node['anyOf']}"
         return model_shape(options[0], defs, path)
     return _shape(node, lambda child, where: model_shape(child, defs, where), path)
@@ -323,6 +332,11 @@ def crd_shape(node: dict[str, Any], path: str) -> dict[str, Any]:
     """A CRD schema node reduced to the same terms as ``model_shape``."""
     if node.get("x-kubernetes-int-or-string"):
         return {"int-or-string": True, **{k: node[k] for k in CONSTRAINTS if k in node}}
+    rules = [r["rule"] for r in node.get("x-kubernetes-validations", [])]
+    if "type" not in node and node.get("x-kubernetes-preserve-unknown-fields"):
+        for rule in rules:
+            if BOOL_OR_OBJECT_RULE.match(rule):
+                return {"bool-or-object": sorted(re.findall(r"k == '(\w+)'", rule))}
     return _shape(node, crd_shape, path)
 
 
@@ -1082,7 +1096,6 @@ def test_the_operator_reads_a_start_and_until_the_crd_takes_as_epoch_ms():
 @pytest.mark.parametrize(
     ("policy", "path"),
     [
-        ({"kubernetes": "yes"}, "spec.policy.kubernetes"),
         ({"maxPending": True}, "spec.policy.maxPending"),
         ({"perGpu": {"vcpu": 4097}}, "spec.policy.perGpu.vcpu"),
         ({"perGpu": {"memoryGiB": -1}}, "spec.policy.perGpu.memoryGiB"),

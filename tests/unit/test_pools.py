@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 
 from bettercompute.core import pools
@@ -160,3 +161,28 @@ def test_a_stored_policy_reads_back_typed_and_a_key_that_no_longer_passes_costs_
     )
     assert info.max_pending_ms == pools.DEFAULT_MAX_PENDING_MS
     assert info.wants_budget_check
+
+
+@pytest.mark.parametrize(
+    ("written", "takes", "api"),
+    [
+        (None, False, "devicePlugin"),
+        (False, False, "devicePlugin"),
+        (True, True, "devicePlugin"),
+        ({}, True, "devicePlugin"),
+        ({"api": "devicePlugin"}, True, "devicePlugin"),
+        ({"api": "dra"}, True, "dra"),
+    ],
+)
+def test_policy_kubernetes_is_true_or_an_object_naming_the_api(written, takes, api):
+    policy = pools.PoolPolicy.model_validate({} if written is None else {"kubernetes": written})
+    assert policy.takes_kubernetes is takes
+    assert policy.kubernetes_api == api
+    # The store reads it back from the JSON it kept, to the same answer.
+    assert pools.kubernetes_api(policy.as_json()) == api
+
+
+@pytest.mark.parametrize("written", ["yes", {"api": "cdi"}, {"api": "dra", "extra": 1}, 1])
+def test_policy_kubernetes_of_another_shape_is_refused(written):
+    with pytest.raises(pydantic.ValidationError):
+        pools.PoolPolicy.model_validate({"kubernetes": written})

@@ -104,10 +104,26 @@ class HostReserve(Model):
     vcpu: int | None = Field(default=None, ge=0, le=4096)
 
 
+#: How a ``kubernetes`` binding's devices reach pods (``policy.kubernetes.api``): extended
+#: resources from our device plugin, or ``resource.k8s.io/v1`` claims (Kubernetes 1.34+). The
+#: same words as ``kube.dra.API_DEVICE_PLUGIN`` and ``API_DRA``, which the core may not import.
+KubernetesApi = Literal["devicePlugin", "dra"]
+API_DEVICE_PLUGIN: KubernetesApi = "devicePlugin"
+API_DRA: KubernetesApi = "dra"
+
+
+class KubernetesPolicy(Model):
+    """``policy.kubernetes`` written as an object: the pool takes ``binding: kubernetes``
+    reservations and says how their devices reach pods."""
+
+    api: KubernetesApi | None = None
+
+
 class PoolPolicy(Model):
     """The pool policy keys the guide names; anything else is a typo, so it is refused."""
 
-    kubernetes: bool | None = None
+    #: ``true`` (extended resources, as before objects were allowed) or ``{api: …}``.
+    kubernetes: bool | KubernetesPolicy | None = None
     #: Which pods may use a ``kubernetes`` binding's devices: ``reservation`` (the default) only
     #: pods that name the reservation, through its own extended resource; ``shared`` any pod
     #: that asks ``bcd.dev/gpu`` (the pool's owner accepts that).
@@ -136,6 +152,16 @@ class PoolPolicy(Model):
         """What the store keeps: the keys given, as given."""
         return self.model_dump(exclude_none=True)
 
+    @property
+    def takes_kubernetes(self) -> bool:
+        """Whether the pool takes ``binding: kubernetes`` (``true``, or any object)."""
+        return self.kubernetes is not None and self.kubernetes is not False
+
+    @property
+    def kubernetes_api(self) -> KubernetesApi:
+        """How the pool's ``kubernetes`` bindings reach pods (``devicePlugin`` by default)."""
+        return kubernetes_api(self.as_json())
+
     @classmethod
     def stored(cls, value: Mapping[str, Any] | None) -> PoolPolicy:
         """The policy a pool row keeps, read back. A row written before a key was checked as it
@@ -155,6 +181,16 @@ class PoolPolicy(Model):
                 continue
             kept[key] = item
         return cls.model_validate(kept)
+
+
+def kubernetes_api(policy: Mapping[str, Any] | None) -> KubernetesApi:
+    """``policy.kubernetes.api`` of a stored policy (the JSON a pool row keeps), with its
+    default: a pool switches between the two only while nothing live uses it, so the store
+    compares the old row's answer with the new one's."""
+    value = (policy or {}).get("kubernetes")
+    if isinstance(value, Mapping) and value.get("api") == API_DRA:
+        return API_DRA
+    return API_DEVICE_PLUGIN
 
 
 def _slots_only(replicas: int, info: ValidationInfo) -> int:
@@ -388,7 +424,7 @@ def check_request(*, request: Mapping[str, Any], pool: PoolInfo, tenant_id: str)
     if binding == "node" and not pool.policy.tenantRoot:
         raise errors.invalid_input("binding", "binding 'node' needs a pool with tenantRoot")
     if binding == "kubernetes":
-        if not pool.policy.kubernetes:
+        if not pool.policy.takes_kubernetes:
             raise errors.invalid_input(
                 "binding",
                 f"binding 'kubernetes' needs a pool with policy.kubernetes; {pool.id} has none",

@@ -158,12 +158,16 @@ def allocation_spec(row: Mapping[str, Any], *, node: str) -> dict[str, Any]:
         reservationNamespace=row.get("reservationNamespace"),
         limits=Limits(**row["limits"]) if row.get("limits") else None,
         preemptAt=row.get("preemptAt"),
+        kubernetesApi=row.get("kubernetesApi"),
         release=row["state"] == "releasing",
     ).document()
 
 
 def _resource_name(row: Mapping[str, Any]) -> str | None:
+    # A dra pool's devices reach pods through claims: no extended resource is advertised.
     if row["binding"] != "kubernetes" or row.get("podAccess") == "shared":
+        return None
+    if row.get("kubernetesApi") == "dra":
         return None
     return names.reservation_resource_name(row["reservationId"])
 

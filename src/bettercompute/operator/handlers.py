@@ -240,7 +240,14 @@ def make_registry(
         except ComputeError as e:
             await _pool_status(runtime, body, ready=False, reason=e.code.value, message=e.message)
             return
-        await runtime.clusters.apply_pool(definition)
+        try:
+            await runtime.clusters.apply_pool(definition)
+        except ComputeError as e:
+            # A switch of policy.kubernetes.api while live reservations use the pool: the pool
+            # keeps its stored policy, and its status says why until the spec is put back or
+            # the reservations end (the next change of the object tries again).
+            await _pool_status(runtime, body, ready=False, reason=e.code.value, message=e.message)
+            return
         runtime.applied_pools.add(name)
         await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
         await _pool_status(runtime, body, ready=True, nodes=_nodes_taken(runtime, name))

@@ -463,7 +463,7 @@ def _fit_problem(reservation: Booked, wanted: Mapping[str, int], found: list[Ask
 def shares_devices(pool_spec: Mapping[str, Any] | None) -> bool:
     """Whether a GPUPool's ``spec`` hands its ``kubernetes`` devices to any pod (``shared``)."""
     policy = (pool_spec or {}).get("policy") or {}
-    return bool(policy.get("kubernetes")) and policy.get("podAccess") == "shared"
+    return policy.get("kubernetes") not in (None, False) and policy.get("podAccess") == "shared"
 
 
 def warning(pod: Mapping[str, Any], *, shared_pool_exists: bool) -> str | None:

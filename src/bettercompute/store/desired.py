@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bettercompute.core import hosts
+from bettercompute.core import hosts, pools
 from bettercompute.store.database import Database
 
 #: Allocation states a node acts on.
@@ -31,7 +31,9 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
     milliseconds; ``reservationNamespace`` is the namespace of the Reservation object that owns
     it (``None`` for one made through the API); ``limits`` is what it booked of its node's host
     (``core.hosts.limits``), ``None`` when it booked none; ``preemptAt`` is the notice deadline
-    (epoch ms) of a spot reservation being preempted, else ``None``.
+    (epoch ms) of a spot reservation being preempted, else ``None``; ``kubernetesApi`` is how
+    a ``kubernetes`` binding reaches pods, the pool's ``policy.kubernetes.api``
+    (``devicePlugin`` or ``dra``), ``None`` for other bindings.
     """
     async with db.connection() as conn:
         rows = await (
@@ -40,6 +42,7 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
                 SELECT a.id, a.reservation_id, r.tenant_id, a.state,
                        r.request ->> 'binding' AS binding,
                        coalesce(p.policy ->> 'podAccess', 'reservation') AS pod_access,
+                       p.policy AS pool_policy,
                        a.device_class, a.device_ids,
                        epoch_ms(a.until) AS until_ms, o.namespace AS reservation_namespace,
                        (SELECT (c ->> 'deadline')::bigint
@@ -79,6 +82,9 @@ async def for_node(db: Database, *, node_id: str) -> list[dict[str, Any]]:
             "until": int(row["until_ms"]),
             "reservationNamespace": row["reservation_namespace"],
             "preemptAt": row["preempt_at"],
+            "kubernetesApi": (
+                pools.kubernetes_api(row["pool_policy"]) if row["binding"] == "kubernetes" else None
+            ),
             "limits": hosts.limits(
                 vcpu=row["host_vcpu"],
                 memory_gib=row["host_memory_gib"],

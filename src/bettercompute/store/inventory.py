@@ -3,6 +3,10 @@
 Called by configuration loading (``dev``), the operator's GPUPool/GPUNode sync and tests.
 Every write is an upsert, so applying the same configuration twice changes nothing.
 Inventory changes that can free or break capacity wake the reservations that care.
+
+What it must never do: change how a pool's ``kubernetes`` bindings reach pods
+(``policy.kubernetes.api``) while a live reservation uses the pool: its nodes hold devices
+the way the old api handed them out, so the switch is refused in the same transaction.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bettercompute.core import errors, pools, states
 from bettercompute.core.inventories import AtomSpec as AtomSpec
 from bettercompute.core.inventories import NodeSpec as NodeSpec
 from bettercompute.store import journal, placing
-from bettercompute.store.database import Database, jsonb
+from bettercompute.store.database import Conn, Database, jsonb
 
 
 async def upsert_tenant(
@@ -49,7 +54,10 @@ async def upsert_pool(
     archived: bool = False,
     name: str = "",
 ) -> None:
+    """Write the pool's row; INVALID_STATE naming ``policy.kubernetes.api`` when that would
+    change while a live reservation uses the pool (its row is then unchanged)."""
     async with db.transaction() as conn:
+        await _refuse_api_switch(conn, pool_id=pool_id, policy=policy)
         await conn.execute(
             "INSERT INTO pools (id, owner_tenant_id, name, region, gpu_model, sharing_mode,"
             " replicas, archived, policy) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
@@ -79,6 +87,42 @@ async def upsert_pool(
         )
         if archived:
             await journal.wake_pending(conn, pool_id=pool_id)
+
+
+#: A reservation in one of these states holds, or may still come to hold, devices through the
+#: pool's api; only the others (ended, or a draft not yet decided) let the api change.
+_NOT_LIVE = sorted({*states.TERMINAL, states.State.DRAFT})
+
+
+async def _refuse_api_switch(conn: Conn, *, pool_id: str, policy: Mapping[str, Any] | None) -> None:
+    # The pool lock first (the order of store/locking.py): an admission placing in this pool
+    # holds it, so a reservation is either counted here or placed after the new api is kept.
+    await placing.lock_pool(conn, pool_id)
+    row = await (
+        await conn.execute("SELECT policy FROM pools WHERE id = %s FOR UPDATE", (pool_id,))
+    ).fetchone()
+    if row is None:
+        return
+    was, wanted = pools.kubernetes_api(row["policy"]), pools.kubernetes_api(policy)
+    if was == wanted:
+        return
+    live = await (
+        await conn.execute(
+            "SELECT id, state FROM reservations WHERE pool_id = %s AND state <> ALL(%s)"
+            " ORDER BY created_at, id LIMIT 5",
+            (pool_id, [str(s) for s in _NOT_LIVE]),
+        )
+    ).fetchall()
+    if live:
+        shown = ", ".join(f"{r['id']} ({r['state']})" for r in live)
+        raise errors.invalid_state(
+            f"policy.kubernetes.api: pool {pool_id} stays '{was}' while live reservations use"
+            f" it ({shown}); switch to '{wanted}' once they are released, cancelled or expired",
+            field="policy.kubernetes.api",
+            poolId=pool_id,
+            api=was,
+            reservations=[r["id"] for r in live],
+        )
 
 
 async def set_offer(
