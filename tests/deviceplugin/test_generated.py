@@ -25,7 +25,7 @@ def test_generated_modules_are_not_stale(tmp_path: Path) -> None:
 def test_generated_imports_resolve_inside_our_package() -> None:
     for path in generate.generated_paths(root=generate.PROTO_ROOT):
         text = path.read_text(encoding="utf-8")
-        for top in ("deviceplugin", "podresources"):
+        for top in ("deviceplugin", "podresources", "dra", "pluginregistration"):
             assert f"from {top}" not in text, f"{path.name} imports {top} as a top-level package"
     grpc_module = generate.PROTO_ROOT / "deviceplugin/v1beta1/api_pb2_grpc.py"
     assert "from bettercompute.proto.deviceplugin.v1beta1 import api_pb2" in grpc_module.read_text(

@@ -22,7 +22,13 @@ PACKAGE = "bettercompute.proto"
 COMMAND = "python -m bettercompute.proto.generate"
 
 # Distinct import paths, so Python's default descriptor pool never sees two files of one name.
-PROTO_FILES = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
+PROTO_FILES = (
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+    "dra/v1/api.proto",
+    "dra/v1beta1/api.proto",
+    "pluginregistration/v1/api.proto",
+)
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 # The top-level folders of our import paths; grpc_tools imports them as if they were packages.

@@ -1,0 +1,1 @@
+"""Kubelet DRA plugin API: our wire-compatible protos (see ``bettercompute.proto``)."""

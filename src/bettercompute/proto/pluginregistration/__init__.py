@@ -1,0 +1,1 @@
+"""Kubelet plugin-watcher registration API: our wire-compatible protos."""

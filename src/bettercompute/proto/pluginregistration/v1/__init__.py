@@ -1,0 +1,1 @@
+"""Registration API v1 (wire package ``pluginregistration``): ``api.proto``, generated modules."""
