@@ -15,7 +15,10 @@ Why it exists: it is the composition root of the node side. ``started`` wires, i
 4. the GPUNode (``publishing``), created if missing: while the API cannot be reached the agent
    says so and retries with backoff;
 5. the ``NodePlugin`` (converger, kubelet servers, registration) over the DeviceAllocation
-   adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher;
+   adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher; with
+   ``--dra``, also the DRA plugin for ``gpu.bcd.dev`` (``draserving``, registered through the
+   kubelet's plugin watcher by ``draregistering``), reading claims through the same client and
+   keeping its prepared claims in ``dra-claims.json`` beside the node key;
 6. the enroller (``enrolling``), which asks the operator's CA for the node certificate through
    a CertificateSigningRequest, keeps it beside the key and renews it.
 
@@ -48,6 +51,9 @@ from bettercompute import logformat, supervising
 from bettercompute.deviceplugin import (
     cgroups,
     converging,
+    draclaims,
+    draregistering,
+    draserving,
     enrolling,
     health,
     nvidiacdi,
@@ -77,7 +83,7 @@ from bettercompute.deviceplugin.publishing import (
     NodePublisher,
     parse_labels,
 )
-from bettercompute.deviceplugin.running import NodePlugin
+from bettercompute.deviceplugin.running import DraSetup, NodePlugin
 from bettercompute.deviceplugin.signing import NodeKey, SigningError
 from bettercompute.deviceplugin.watching import AllocationObjects
 from bettercompute.kube.client import (
@@ -142,6 +148,22 @@ class AgentConfig:
     health_recovery_s: float = health.RECOVERY_SECONDS
     pass_seconds: float = converging.PASS_SECONDS
     register_poll_seconds: float = registering.POLL_SECONDS
+    #: Serve the DRA plugin (pools with ``policy.kubernetes.api: dra``).
+    dra: bool = False
+    kubelet_plugins_dir: Path = draserving.KUBELET_PLUGINS_DIR
+    kubelet_registry_dir: Path = draregistering.KUBELET_REGISTRY_DIR
+    #: The prepared claims' checkpoint; None: ``dra-claims.json`` beside the node key.
+    dra_checkpoint: Path | None = None
+
+    def dra_setup(self, reader: draserving.ClaimReader) -> DraSetup | None:
+        if not self.dra:
+            return None
+        return DraSetup(
+            reader=reader,
+            plugins_dir=self.kubelet_plugins_dir,
+            registry_dir=self.kubelet_registry_dir,
+            checkpoint=self.dra_checkpoint or self.node_key.parent / draclaims.CHECKPOINT_NAME,
+        )
 
 
 @dataclasses.dataclass
@@ -241,6 +263,11 @@ async def started(
             f"no device-plugin folder {config.plugin_dir}: mount the kubelet's "
             "/var/lib/kubelet/device-plugins there, or give --plugin-dir"
         )
+    if config.dra and not config.kubelet_registry_dir.is_dir():
+        raise AgentError(
+            f"no plugin registry folder {config.kubelet_registry_dir}: mount the kubelet's "
+            "/var/lib/kubelet/plugins_registry there, give --kubelet-registry-dir, or --no-dra"
+        )
     xid = xid_health(config, xid_events)
     source = inventory_source(config, xid=xid)
     try:
@@ -288,25 +315,29 @@ async def started(
         objects = AllocationObjects(
             client=client, namespace=config.namespace, node_name=config.node_name
         )
-        plugin = NodePlugin(
-            node_name=config.node_name,
-            inventory_source=source,
-            desired=objects,
-            reporter=objects,
-            key=key,
-            files=DeviceFiles(config.cdi_dir, cdi_dir=config.cdi_dir, env_dir=config.env_dir),
-            registry=registry,
-            plugin_dir=config.plugin_dir,
-            pods=PodResourcesClient(socket_path=config.pod_resources_socket),
-            pass_seconds=config.pass_seconds,
-            inventory_interval_s=config.inventory_interval_s,
-            register_poll_seconds=config.register_poll_seconds,
-            retry_on=(OSError, KubeError),
-            certificate=current_certificate,
-            cgroups=None if limits_problem is not None else slices,
-            no_limits_reason=f"this node does not enforce host limits: {limits_problem}",
-            warnings=objects,
-        )
+        try:
+            plugin = NodePlugin(
+                node_name=config.node_name,
+                inventory_source=source,
+                desired=objects,
+                reporter=objects,
+                key=key,
+                files=DeviceFiles(config.cdi_dir, cdi_dir=config.cdi_dir, env_dir=config.env_dir),
+                registry=registry,
+                plugin_dir=config.plugin_dir,
+                pods=PodResourcesClient(socket_path=config.pod_resources_socket),
+                pass_seconds=config.pass_seconds,
+                inventory_interval_s=config.inventory_interval_s,
+                register_poll_seconds=config.register_poll_seconds,
+                retry_on=(OSError, KubeError),
+                certificate=current_certificate,
+                cgroups=None if limits_problem is not None else slices,
+                no_limits_reason=f"this node does not enforce host limits: {limits_problem}",
+                warnings=objects,
+                dra=config.dra_setup(draserving.KubeClaimReader(client)),
+            )
+        except draclaims.CheckpointError as e:
+            raise AgentError(str(e)) from e
         plugin.allocations.set_inventory(inventory)
         publisher = NodePublisher(
             client=client,
@@ -398,8 +429,7 @@ async def _serve_http(agent: Agent, stack: contextlib.AsyncExitStack) -> str:
 
 
 async def _stop_servers(plugin: NodePlugin) -> None:
-    for server in plugin.servers:
-        await server.stop()
+    await plugin.stop_servers()
 
 
 # --- better-compute-deviceplugin -------------------------------------------------------------
@@ -574,6 +604,29 @@ def run(
     api_token: Annotated[
         str | None, typer.Option(envvar="BCD_API_TOKEN", help="Bearer token for --api-server.")
     ] = None,
+    dra: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_DRA",
+            help="Serve the DRA plugin for driver gpu.bcd.dev (pools with policy.kubernetes.api: "
+            "dra): register it in --kubelet-registry-dir and prepare the ResourceClaims the "
+            "scheduler allocated this node's booked devices.",
+        ),
+    ] = False,
+    kubelet_plugins_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="BCD_KUBELET_PLUGINS_DIR",
+            help="The kubelet's plugins folder; the DRA socket is gpu.bcd.dev/dra.sock in it.",
+        ),
+    ] = draserving.KUBELET_PLUGINS_DIR,
+    kubelet_registry_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="BCD_KUBELET_REGISTRY_DIR",
+            help="The kubelet plugin watcher's folder (plugins_registry).",
+        ),
+    ] = draregistering.KUBELET_REGISTRY_DIR,
     kubeconfig: Annotated[
         Path | None,
         typer.Option(
@@ -597,7 +650,9 @@ def run(
     It needs the kubelet's device-plugin folder and PodResources socket, write access to the
     CDI and env folders, and RBAC to get, list and watch deviceallocations, patch
     deviceallocations/status, get, create and patch gpunodes and gpunodes/status, create, get,
-    list and watch certificatesigningrequests (and get nodes, to copy their labels).
+    list and watch certificatesigningrequests (and get nodes, to copy their labels). With
+    --dra it also serves the kubelet's DRA plugin API for gpu.bcd.dev, which needs the kubelet's
+    plugins and plugins_registry folders and RBAC to get resourceclaims.
 
     Without a GPU, write a simulated inventory (gpus: [{uuid, index, model, memoryMiB,
     numaNode, nvlinkPeers, healthy, mig}]) and point the folders somewhere harmless:
@@ -643,6 +698,9 @@ def run(
         api_server=api_server,
         api_token=api_token,
         kubeconfig=kubeconfig,
+        dra=dra,
+        kubelet_plugins_dir=kubelet_plugins_dir,
+        kubelet_registry_dir=kubelet_registry_dir,
     )
     try:
         failed = asyncio.run(_serve(config))

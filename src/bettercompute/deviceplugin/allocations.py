@@ -11,8 +11,11 @@ resource (``spec.resourceName``, ``bcd.dev/rsv-…``, pod access ``reservation``
 exists while any allocation of it owns its devices (``own_resources``), or else under the shared
 resource of its class: ``bcd.dev/gpu`` (id: the GPU UUID), ``bcd.dev/gpu.mig`` (the MIG UUID)
 and ``bcd.dev/gpu.slot`` (``<gpu uuid>::<k>``). A device is advertised, and handed out, under
-exactly one name. Once a release starts the devices are gone from the next list at once,
-although the allocation still owns them (and its own endpoint stays) until no pod holds them.
+exactly one name. A ``dra`` allocation (``is_dra``: its pods reach it through ResourceClaims) is
+never advertised here, under any name: the node's ResourceSlice and the DRA plugin
+(``draslices``, ``draclaims``) are its only way to pods. Once a release starts the devices are
+gone from the next list at once, although the allocation still owns them (and its own endpoint
+stays) until no pod holds them.
 
 Host admission (``host_shortfall``): the limits of every allocation that owns its devices
 (``hold`` and ``kubernetes`` alike, releasing ones included, since their workload may still run)
@@ -33,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from bettercompute.deviceplugin.cgroups import GIB
 from bettercompute.deviceplugin.devicefiles import Allocation
 from bettercompute.deviceplugin.inventory import Inventory
+from bettercompute.kube.dra import API_DRA
 from bettercompute.kube.names import RESOURCE_NAMES
 
 
@@ -45,6 +49,12 @@ class Phase(enum.Enum):
 
 #: Phases in which an allocation owns its devices.
 OWNING = frozenset({Phase.BINDING, Phase.BOUND, Phase.RELEASING})
+
+
+def is_dra(allocation: Allocation) -> bool:
+    """Whether pods reach ``allocation`` through ResourceClaims (``kubernetesApi: dra``)
+    rather than the device plugin."""
+    return allocation.binding == "kubernetes" and allocation.kubernetes_api == API_DRA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +231,7 @@ class Allocations:
             if (
                 held.phase is Phase.BOUND
                 and allocation.binding == "kubernetes"
+                and not is_dra(allocation)
                 and allocation.resource_name == resource.name
             ):
                 devices.extend(_describe(allocation, self._inventory))
@@ -235,6 +246,7 @@ class Allocations:
             for held in self._held.values()
             if held.phase in OWNING
             and held.allocation.binding == "kubernetes"
+            and not is_dra(held.allocation)
             and held.allocation.own_resource is not None
         }
         return [own_resource(name, found[name]) for name in sorted(found)]

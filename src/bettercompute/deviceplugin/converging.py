@@ -43,6 +43,14 @@ names it (``intruders``, which the control plane turns into ``Degraded/PodOutsid
 and the pod gets one Warning Event (``PodWarnings``). Nothing is taken from a running pod; a
 kubelet that does not answer leaves the last known holders in place.
 
+Claims instead of pods (a ``dra`` allocation, ``allocations.is_dra``): its devices reach pods
+through ResourceClaims the kubelet prepares (``draserving``), and PodResources does not reliably
+say which pods got a claim's devices. Its holders are therefore its prepared claims
+(``ClaimHolders``, ``draclaims``), reported in ``pods`` as ``namespace/claim-name``: a release
+stays ``Releasing`` until the kubelet has unprepared every one, which it does only once no pod
+on the node uses the claim. No intruder check applies (the DRA plugin refuses a claim of
+another namespace at prepare) and no pod is warned.
+
 Restart safety: the CDI specs on disk describe their allocations (``devicefiles``), so a new
 process rebuilds its state from the desired list plus the files: a bound allocation is adopted
 (and its files restored if damaged), a file no desired allocation explains is released like a
@@ -71,7 +79,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from bettercompute.deviceplugin import inventory, signing
-from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, inventory_problems
+from bettercompute.deviceplugin.allocations import (
+    Allocations,
+    Held,
+    Phase,
+    inventory_problems,
+    is_dra,
+)
 from bettercompute.deviceplugin.cgroups import CgroupError, Cgroups
 from bettercompute.deviceplugin.devicefiles import Allocation, DeviceFileError, DeviceFiles
 from bettercompute.deviceplugin.podresources import Holdings, KubeletUnreachable, PodHolders
@@ -109,6 +123,13 @@ class StatusReporter(Protocol):
     """
 
     async def report(self, *, allocation_id: str, status: Mapping[str, Any]) -> None: ...
+
+
+class ClaimHolders(Protocol):
+    """The ResourceClaims prepared on this node that hold an allocation's devices
+    (``namespace/name``, sorted): ``draclaims.PreparedClaims``."""
+
+    def holders(self, allocation_id: str) -> list[str]: ...
 
 
 class PodWarnings(Protocol):
@@ -180,8 +201,12 @@ class Converger:
         cgroups: Cgroups | None = None,
         no_limits_reason: str = "this node does not enforce host limits",
         warnings: PodWarnings | None = None,
+        claims: ClaimHolders | None = None,
     ) -> None:
         self.node_name = node_name
+        #: Who holds a ``dra`` allocation's devices; None (DRA off): nobody can, as no claim
+        #: is prepared here.
+        self.claims = claims
         self.warnings = warnings
         # Pods already warned, per allocation: one Event per intruder, not one per pass.
         self._warned: dict[str, set[str]] = {}
@@ -444,7 +469,10 @@ class Converger:
 
     async def _pods_holding(self, allocation: Allocation) -> list[str]:
         """The pods holding ``allocation``'s devices, from one PodResources ``List`` per pass
-        (``KubeletUnreachable`` for every allocation of a pass where it did not answer)."""
+        (``KubeletUnreachable`` for every allocation of a pass where it did not answer).
+        A ``dra`` allocation's holders are its prepared claims instead."""
+        if is_dra(allocation):
+            return [] if self.claims is None else self.claims.holders(allocation.allocation_id)
         if self._holdings is None:
             try:
                 self._holdings = await self.pods.holdings()
@@ -461,6 +489,9 @@ class Converger:
         allocation = held.allocation
         if allocation.binding != "kubernetes":
             return (), ()
+        if is_dra(allocation):  # claims, not pods: nobody to warn, no namespace to check
+            held.pods = tuple(await self._pods_holding(allocation))
+            return held.pods, ()
         try:
             found = await self._pods_holding(allocation)
             held.pods = tuple(sorted(found))

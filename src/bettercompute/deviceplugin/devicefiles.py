@@ -11,7 +11,8 @@ same agent with the two directories under its own root, ``<root>/cdi/`` and
 The CDI spec is self-describing: its annotations (``bcd.dev/allocation-id``, ``…/device-class``,
 ``…/binding``, …) carry everything needed to rebuild the allocation from disk after a restart, and
 a ``kubernetes`` binding's spec names the device-plugin resource that advertises it
-(``bcd.dev/device-plugin``). A spec being released carries ``bcd.dev/releasing-since``. An
+(``bcd.dev/device-plugin``), or says ``bcd.dev/kubernetes-api: dra`` when claims reach it. A
+spec being released carries ``bcd.dev/releasing-since``. An
 allocation with host limits carries them (``bcd.dev/limits``, the spec's JSON), so they still
 count in the node's admission after a restart, and a ``hold`` with limits names its cgroup
 slice (``bcd.dev/cgroup-parent``, and ``BCD_CGROUP_PARENT`` in the env file; ``cgroups``).
@@ -51,6 +52,7 @@ from typing import Any, get_args
 from bettercompute.core.ids import cgroup_slice
 from bettercompute.deviceplugin.cgroups import HostLimits
 from bettercompute.kube.allocations import AllocationSpec, Binding, DeviceClass
+from bettercompute.kube.dra import API_DEVICE_PLUGIN, API_DRA
 from bettercompute.kube.names import CDI_KIND, RESOURCE_NAMES
 
 CDI_VERSION = "0.6.0"  # spec-level annotations and the dot in a class need 0.6.0
@@ -71,6 +73,8 @@ ANNOTATION_RELEASING = "bcd.dev/releasing-since"
 ANNOTATION_LIMITS = "bcd.dev/limits"
 ANNOTATION_CGROUP_PARENT = "bcd.dev/cgroup-parent"
 ANNOTATION_NVIDIA_DEVICES = "bcd.dev/nvidia-cdi-devices"
+#: Only on a ``dra`` allocation's spec (absent: the device plugin).
+ANNOTATION_KUBERNETES_API = "bcd.dev/kubernetes-api"
 
 #: The kubelet's limit on a device id (the device-plugin proto's comment).
 MAX_DEVICE_ID = 63
@@ -108,6 +112,10 @@ class Allocation:
     namespace: str | None = None
     #: A spot reservation being preempted: when its devices go (epoch ms).
     preempt_at: int | None = None
+    #: How a ``kubernetes`` binding reaches pods: ``devicePlugin`` (extended resources) or
+    #: ``dra`` (ResourceClaims the node prepares; ``kube.dra``). Written to its CDI spec, so a
+    #: restarted node still knows a leftover's holders are claims, not pods.
+    kubernetes_api: str = API_DEVICE_PLUGIN
 
     def __post_init__(self) -> None:
         _check(self)
@@ -129,6 +137,7 @@ class Allocation:
                 own_resource=spec.resourceName,
                 namespace=spec.reservationNamespace,
                 preempt_at=spec.preemptAt,
+                kubernetes_api=spec.kubernetesApi or API_DEVICE_PLUGIN,
                 limits=None
                 if spec.limits is None
                 else HostLimits(
@@ -361,7 +370,9 @@ def cdi_spec(
         ANNOTATION_PARENTS: ",".join(allocation.parent_gpus),
     }
     shared_env = [f"BCD_ALLOCATION_ID={allocation.allocation_id}"]
-    if allocation.binding == "kubernetes":
+    if allocation.binding == "kubernetes" and allocation.kubernetes_api == API_DRA:
+        annotations[ANNOTATION_KUBERNETES_API] = API_DRA
+    elif allocation.binding == "kubernetes":
         annotations[ANNOTATION_DEVICE_PLUGIN] = allocation.resource_name
     else:
         shared_env.insert(0, "NVIDIA_VISIBLE_DEVICES=" + ",".join(allocation.visible_devices))
@@ -409,6 +420,7 @@ def written_from_spec(spec: Any, *, allocation_id: str) -> Written | None:
             parent_gpus=tuple(parents),
             until_ms=int(annotations[ANNOTATION_UNTIL]),
             binding=str(annotations[ANNOTATION_BINDING]),
+            kubernetes_api=str(annotations.get(ANNOTATION_KUBERNETES_API, API_DEVICE_PLUGIN)),
         )
         limits = annotations.get(ANNOTATION_LIMITS)
         if limits is not None:

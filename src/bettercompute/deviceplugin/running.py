@@ -1,10 +1,13 @@
-"""The node agent put together: converger, three device-plugin servers, kubelet registration.
+"""The node agent put together: converger, device-plugin servers, DRA plugin, registration.
 
 Why it exists: the pieces depend on each other in one order that is easy to get wrong. The
 allocations must be rebuilt (one successful converger pass over the desired list and the files
 on disk) before any server registers, so the kubelet's first ListAndWatch message is already the
 full list after a restart, rather than an empty list followed by the real one. Then the
-converger, the inventory watch and the registrar run side by side until cancelled.
+converger, the inventory watch and the registrar run side by side until cancelled. With DRA on
+(``DraSetup``) the DRA plugin (``draserving``) and its plugin-watcher registration
+(``draregistering``) start only after that rebuild too: a restarted kubelet prepares its claims
+again at once, and a claim asked before the node knows its allocations would be refused.
 
 The DaemonSet's entry point (the Kubernetes adapter, which implements the two ports of
 ``converging``) builds a ``NodePlugin`` and runs it; the tests and ``bench/deviceplugin.py`` run
@@ -18,17 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from bettercompute.deviceplugin import converging, inventory, serving, signing
+from bettercompute.deviceplugin import (
+    converging,
+    draregistering,
+    draserving,
+    inventory,
+    serving,
+    signing,
+)
 from bettercompute.deviceplugin.allocations import RESOURCES, Allocations
 from bettercompute.deviceplugin.cgroups import Cgroups
 from bettercompute.deviceplugin.converging import Converger, DesiredAllocations, StatusReporter
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.draclaims import PreparedClaims
+from bettercompute.deviceplugin.draregistering import DraRegistrar
+from bettercompute.deviceplugin.draserving import ClaimReader, DraServer, Preparer
 from bettercompute.deviceplugin.metrics import DevicePluginMetrics
 from bettercompute.deviceplugin.podresources import PodHolders, PodResourcesClient
 from bettercompute.deviceplugin.registering import Registrar
@@ -37,6 +51,17 @@ from bettercompute.deviceplugin.serving import PluginServer
 log = logging.getLogger(__name__)
 #: How long after an Allocate the converger asks PodResources who holds what.
 ALLOCATE_SETTLE_S = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class DraSetup:
+    """What the DRA plugin needs: how to read a claim, the kubelet's folders, and where its
+    checkpoint of prepared claims lives (None: in memory only, for tests)."""
+
+    reader: ClaimReader
+    plugins_dir: Path = draserving.KUBELET_PLUGINS_DIR
+    registry_dir: Path = draregistering.KUBELET_REGISTRY_DIR
+    checkpoint: Path | None = None
 
 
 class NodePlugin:
@@ -62,8 +87,27 @@ class NodePlugin:
         cgroups: Cgroups | None = None,
         no_limits_reason: str = "this node does not enforce host limits",
         warnings: converging.PodWarnings | None = None,
+        dra: DraSetup | None = None,
     ) -> None:
         self.allocations = Allocations()
+        #: DRA (None: off): the claims prepared here, their service and its registration.
+        #: Loading the checkpoint may raise ``draclaims.CheckpointError``.
+        self.claims: PreparedClaims | None = None
+        self.dra_registrar: DraRegistrar | None = None
+        if dra is not None:
+            self.claims = PreparedClaims.load(dra.checkpoint)
+            preparer = Preparer(
+                node_name=node_name,
+                allocations=self.allocations,
+                claims=self.claims,
+                reader=dra.reader,
+                changed=lambda: self.converger.wake(),
+            )
+            self.dra_registrar = DraRegistrar(
+                server=DraServer(preparer=preparer, path=draserving.socket_path(dra.plugins_dir)),
+                registry_dir=dra.registry_dir,
+                poll_seconds=register_poll_seconds,
+            )
         self.metrics = DevicePluginMetrics(registry=registry, allocations=self.allocations)
         self.servers = [
             PluginServer(
@@ -103,6 +147,7 @@ class NodePlugin:
             cgroups=cgroups,
             no_limits_reason=no_limits_reason,
             warnings=warnings,
+            claims=self.claims,
         )
         self.inventory_interval_s = inventory_interval_s
         self._retryable: tuple[type[Exception], ...] = (*retry_on, inventory.InventoryError)
@@ -128,6 +173,15 @@ class NodePlugin:
             tasks.create_task(self.converger.follow_inventory(interval_s=self.inventory_interval_s))
             tasks.create_task(self.converger.run())
             tasks.create_task(self.registrar.run())
+            if self.dra_registrar is not None:
+                tasks.create_task(self.dra_registrar.run())
+
+    async def stop_servers(self) -> None:
+        """Stop every server this plugin runs (idempotent)."""
+        for server in self.servers:
+            await server.stop()
+        if self.dra_registrar is not None:
+            await self.dra_registrar.stop()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[NodePlugin]:
@@ -144,5 +198,4 @@ class NodePlugin:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            for server in self.servers:
-                await server.stop()
+            await self.stop_servers()

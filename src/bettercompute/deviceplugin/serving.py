@@ -53,6 +53,7 @@ from bettercompute.deviceplugin.allocations import (
     Allocations,
     Phase,
     Resource,
+    is_dra,
 )
 from bettercompute.deviceplugin.metrics import DevicePluginMetrics
 from bettercompute.proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
@@ -106,6 +107,7 @@ def _bound_owners(
         if (
             held is None
             or held.allocation.binding != "kubernetes"
+            or is_dra(held.allocation)  # reaches pods through claims, never Allocate
             # Under this resource only: a reservation's devices only through its own
             # endpoint, and never through a shared name or another reservation's.
             or held.allocation.resource_name != resource.name

@@ -1,0 +1,310 @@
+"""Which ResourceClaims this node has prepared, and whether a claim may be prepared at all.
+
+Why it exists: with Dynamic Resource Allocation the kubelet asks the node's DRA plugin to
+prepare each ResourceClaim the scheduler allocated from our ResourceSlice (``draserving``). Two
+things must hold that the scheduler cannot check for us, and one must survive a restart:
+
+- **A claim gets only devices booked for it.** ``decide`` is the one rule: every device the
+  claim was allocated from our driver must be in this node's pool, bound here under one ``dra``
+  allocation (``allocations.is_dra``) that is not being released, and that allocation's
+  Reservation must live in the claim's own namespace. Anything else is refused with a reason,
+  even though the chart's admission policy should have stopped such a claim earlier: the node
+  is the last line, and a claim that selected another namespace's devices by a bug or a race
+  must not reach a container.
+- **A prepared claim holds its devices.** ``PreparedClaims.holders`` tells the converger which
+  claims hold an allocation's devices, so a release stays ``Releasing`` until the kubelet has
+  unprepared every one (the report names them as ``namespace/claim-name`` in ``pods``).
+- **Prepared claims survive a restart.** They are kept in a JSON checkpoint in the agent's
+  state folder (beside its node key), written whole to a temporary name and renamed over, and
+  read back on start. A second prepare of the same claim answers the devices it got the first
+  time.
+
+What it must never do: prepare a device that is not bound here under a ``dra`` allocation of the
+claim's namespace, forget a prepared claim before the kubelet unprepares it (a damaged
+checkpoint stops the agent rather than free devices), or talk to Kubernetes or the kubelet
+(``draserving`` does, through ports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bettercompute.deviceplugin import devicefiles
+from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, is_dra
+from bettercompute.kube import dra
+
+#: The checkpoint's name in the agent's state folder.
+CHECKPOINT_NAME = "dra-claims.json"
+_FORMAT = 1
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be read or written; the message says which file and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet was told."""
+
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedClaim:
+    """A claim the kubelet prepared here, the allocation whose devices it got, and those."""
+
+    uid: str
+    namespace: str
+    name: str
+    allocation_id: str
+    devices: tuple[PreparedDevice, ...]
+
+    @property
+    def holder(self) -> str:
+        """How a status report names it among an allocation's holders."""
+        return f"{self.namespace}/{self.name}"
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "allocationId": self.allocation_id,
+            "devices": [
+                {
+                    "requestNames": list(d.request_names),
+                    "poolName": d.pool_name,
+                    "deviceName": d.device_name,
+                    "cdiDeviceIds": list(d.cdi_device_ids),
+                }
+                for d in self.devices
+            ],
+        }
+
+    @classmethod
+    def from_document(cls, uid: str, document: Mapping[str, Any]) -> PreparedClaim:
+        return cls(
+            uid=uid,
+            namespace=str(document["namespace"]),
+            name=str(document["name"]),
+            allocation_id=str(document["allocationId"]),
+            devices=tuple(
+                PreparedDevice(
+                    request_names=tuple(str(r) for r in d["requestNames"]),
+                    pool_name=str(d["poolName"]),
+                    device_name=str(d["deviceName"]),
+                    cdi_device_ids=tuple(str(c) for c in d["cdiDeviceIds"]),
+                )
+                for d in document["devices"]
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a claim is not prepared: the per-claim ``error`` the kubelet is answered."""
+
+    reason: str
+
+
+def decide(
+    *,
+    uid: str,
+    namespace: str,
+    name: str,
+    claim: Mapping[str, Any] | None,
+    node_name: str,
+    allocations: Allocations,
+) -> PreparedClaim | Refusal:
+    """Whether the ResourceClaim ``claim`` (as the API returned it; None: not found) may be
+    prepared on this node, and with which devices. Pure: it reads ``allocations`` only."""
+    where = f"ResourceClaim {namespace}/{name}"
+    if claim is None:
+        return Refusal(f"{where} does not exist")
+    metadata = claim.get("metadata") or {}
+    if metadata.get("uid") != uid:
+        return Refusal(f"{where} has uid {metadata.get('uid')!r}, not {uid!r}: a different claim")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not isinstance(allocation, Mapping):
+        return Refusal(f"{where} is not allocated")
+    results = [
+        r
+        for r in ((allocation.get("devices") or {}).get("results") or ())
+        if isinstance(r, Mapping) and r.get("driver") == dra.DRIVER
+    ]
+    if not results:
+        return Refusal(f"{where} was allocated no device of driver {dra.DRIVER}")
+    bound = _bound_by_name(allocations)
+    owners: dict[str, Held] = {}
+    devices: list[PreparedDevice] = []
+    for result in results:
+        pool, device = str(result.get("pool")), str(result.get("device"))
+        if pool != node_name:
+            return Refusal(f"{where}: device {device} is in pool {pool}, not this node's")
+        found = bound.get(device)
+        if found is None:
+            return Refusal(
+                f"{where}: device {device} is not bound on node {node_name} under a DRA reservation"
+            )
+        held, device_id = found
+        if held.phase is not Phase.BOUND:
+            state = "being released" if held.phase is Phase.RELEASING else "not bound yet"
+            return Refusal(
+                f"{where}: device {device} belongs to allocation "
+                f"{held.allocation.allocation_id}, which is {state}"
+            )
+        if held.allocation.namespace != namespace:
+            return Refusal(
+                f"{where}: device {device} is booked by reservation "
+                f"{held.allocation.reservation_id} of namespace "
+                f"{held.allocation.namespace or '(none)'}, not {namespace}"
+            )
+        owners[held.allocation.allocation_id] = held
+        request = str(result.get("request") or "")
+        devices.append(
+            PreparedDevice(
+                request_names=(request,) if request else (),
+                pool_name=pool,
+                device_name=device,
+                cdi_device_ids=tuple(_cdi_ids(allocations, held, device_id)),
+            )
+        )
+    if len(owners) > 1:
+        return Refusal(
+            f"{where}: its devices span allocations {', '.join(sorted(owners))}; a claim "
+            "takes devices of one reservation only"
+        )
+    (allocation_id,) = owners
+    return PreparedClaim(
+        uid=uid, namespace=namespace, name=name, allocation_id=allocation_id, devices=tuple(devices)
+    )
+
+
+def _bound_by_name(allocations: Allocations) -> dict[str, tuple[Held, str]]:
+    """Slice device name -> (the ``dra`` allocation that owns it, the device id)."""
+    found: dict[str, tuple[Held, str]] = {}
+    for held in allocations.all():
+        if held.phase is Phase.RELEASED or not is_dra(held.allocation):
+            continue
+        for device_id in held.allocation.device_ids:
+            if allocations.owner_of(device_id) is held:
+                found[dra.device_name(device_id)] = (held, device_id)
+    return found
+
+
+def _cdi_ids(allocations: Allocations, held: Held, device_id: str) -> list[str]:
+    """bcd's CDI device, then NVIDIA's for the GPU behind it when the node's specs name one."""
+    allocation = held.allocation
+    parent = allocation.parent_gpus[allocation.device_ids.index(device_id)]
+    visible = devicefiles.visible_devices(
+        device_class=allocation.device_class, device_ids=[device_id], parent_gpus=[parent]
+    )
+    inventory = allocations.inventory
+    nvidia = [] if inventory is None else inventory.nvidia_cdi.devices_for(visible)
+    return [devicefiles.cdi_name(device_id), *nvidia]
+
+
+class PreparedClaims:
+    """The prepared claims, by uid, kept in ``path`` (None: in memory only, for tests)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._claims: dict[str, PreparedClaim] = {}
+
+    @classmethod
+    def load(cls, path: Path | None) -> PreparedClaims:
+        """The claims the checkpoint holds (none when it does not exist yet)."""
+        claims = cls(path)
+        if path is None:
+            return claims
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return claims
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from e
+        try:
+            document = json.loads(text)
+            if document.get("format") != _FORMAT:
+                raise ValueError(f"format {document.get('format')!r}, not {_FORMAT}")
+            for uid, entry in document["claims"].items():
+                claims._claims[str(uid)] = PreparedClaim.from_document(str(uid), entry)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{path} is damaged ({e}); it lists the claims the kubelet prepared here, so "
+                "the agent will not guess: restore it, or remove it once no pod uses a claim"
+            ) from e
+        return claims
+
+    def get(self, uid: str) -> PreparedClaim | None:
+        return self._claims.get(uid)
+
+    def all(self) -> list[PreparedClaim]:
+        return list(self._claims.values())
+
+    def holders(self, allocation_id: str) -> list[str]:
+        """The prepared claims holding ``allocation_id``'s devices, ``namespace/name``."""
+        return sorted(c.holder for c in self._claims.values() if c.allocation_id == allocation_id)
+
+    def add(self, claim: PreparedClaim) -> None:
+        """Remember ``claim``, on disk before this returns (``CheckpointError`` if it cannot
+        be, and then it is not remembered at all)."""
+        before = dict(self._claims)
+        self._claims[claim.uid] = claim
+        try:
+            self._save()
+        except CheckpointError:
+            self._claims = before
+            raise
+
+    def remove(self, uids: Iterable[str]) -> list[PreparedClaim]:
+        """Forget these claims (unknown uids are ignored); the ones forgotten."""
+        gone = [self._claims[uid] for uid in uids if uid in self._claims]
+        if not gone:
+            return []
+        before = dict(self._claims)
+        for claim in gone:
+            del self._claims[claim.uid]
+        try:
+            self._save()
+        except CheckpointError:
+            self._claims = before
+            raise
+        return gone
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        document = {
+            "format": _FORMAT,
+            "claims": {uid: c.document() for uid, c in sorted(self._claims.items())},
+        }
+        try:
+            _write_atomically(self.path, json.dumps(document, indent=2, sort_keys=True))
+        except OSError as e:
+            raise CheckpointError(f"cannot write {self.path}: {e}") from e
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # A reader (the next agent) sees the old file or the new one, never half of one.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
