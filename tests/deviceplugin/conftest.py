@@ -26,7 +26,7 @@ from bettercompute.deviceplugin.inventory import (
     write_inventory_file,
 )
 from bettercompute.deviceplugin.podresources import PodResourcesClient
-from bettercompute.deviceplugin.running import NodePlugin
+from bettercompute.deviceplugin.running import DraSetup, NodePlugin
 from bettercompute.deviceplugin.signing import NodeKey
 from tests.support.kubelet import Kubelet, Plugin, PodResources
 
@@ -206,9 +206,14 @@ class Node:
         return FileInventory(path=self.inventory_file, node_name=NODE)
 
     def make_plugin(
-        self, *, pass_seconds: float = 0.05, inventory_source: InventorySource | None = None
+        self,
+        *,
+        pass_seconds: float = 0.05,
+        inventory_source: InventorySource | None = None,
+        dra: DraSetup | None = None,
     ) -> NodePlugin:
-        """The node plugin over the inventory file (or ``inventory_source``, a wrapper of it)."""
+        """The node plugin over the inventory file (or ``inventory_source``, a wrapper of it);
+        with ``dra``, its DRA plugin too."""
         self.registry = CollectorRegistry()  # a fresh one: a second plugin registers anew
         return NodePlugin(
             node_name=NODE,
@@ -225,6 +230,7 @@ class Node:
             register_poll_seconds=0.05,
             cgroups=self.cgroups(),
             warnings=self.warnings,
+            dra=dra,
         )
 
     def put(self, spec: dict[str, Any]) -> None:

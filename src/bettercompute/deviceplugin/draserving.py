@@ -109,7 +109,7 @@ class Preparer:
         self.allocations = allocations
         self.claims = claims
         self.reader = reader
-        #: Called after claims are unprepared (the converger's ``wake``).
+        #: Called after a claim is prepared or unprepared (the converger's ``wake``).
         self.changed = changed
 
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PreparedClaim | Refusal]:
@@ -157,6 +157,8 @@ class Preparer:
             decided.allocation_id,
             [d.device_name for d in decided.devices],
         )
+        if self.changed is not None:
+            self.changed()  # the allocation's report names its new holder
         return decided
 
     def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
