@@ -90,7 +90,9 @@ class DraKubelet:
     plugins: dict[str, DraPlugin] = field(default_factory=dict)
     #: Every registration attempt: (socket, accepted, error).
     registrations: list[tuple[Path, bool, str]] = field(default_factory=list)
-    _seen: dict[Path, int] = field(default_factory=dict)
+    #: Registration socket -> its identity (inode, change time) when last registered: a new
+    #: file is what the kubelet's inotify watch reports as created.
+    _seen: dict[Path, tuple[int, int]] = field(default_factory=dict)
     _watcher: asyncio.Task[None] | None = None
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -172,15 +174,15 @@ class DraKubelet:
 
     async def _watch(self) -> None:
         while True:
-            current: dict[Path, int] = {}
+            current: dict[Path, tuple[int, int]] = {}
             for path in sorted(self.registry_dir.iterdir()):
                 with contextlib.suppress(FileNotFoundError):
                     found = path.lstat()
                     if stat.S_ISSOCK(found.st_mode) and not path.name.startswith("."):
-                        current[path] = found.st_ino
-            for path, inode in current.items():
-                if self._seen.get(path) != inode:
-                    self._seen[path] = inode
+                        current[path] = (found.st_ino, found.st_ctime_ns)
+            for path, identity in current.items():
+                if self._seen.get(path) != identity:
+                    self._seen[path] = identity
                     await self._register(path)
             for path in [p for p in self._seen if p not in current]:
                 del self._seen[path]
