@@ -134,3 +134,26 @@ async def test_a_damaged_checkpoint_stops_the_agent_rather_than_free_devices(
 
     with pytest.raises(draclaims.CheckpointError, match="is damaged"):
         dranode.node.make_plugin(dra=dranode.setup())
+
+
+async def test_a_leftover_dra_allocation_is_held_by_its_claims_after_a_restart(
+    dranode: DraNode,
+) -> None:
+    """Its spec gone while the agent was down, a ``dra`` allocation is known only from its CDI
+    spec on disk, which says ``kubernetesApi: dra``: its holders are still its claims (not
+    PodResources, which would free it at once)."""
+    async with dranode.agent() as node:
+        node.put(dra_spec("alloc_a", ["GPU-0"]))
+        await node.reporter.wait_phase("alloc_a", "Bound")
+        claim = await dranode.claim("ml", "kept", ["GPU-0"])
+        await dranode.kubelet.prepare([claim])
+    del dranode.node.desired.specs["alloc_a"]
+
+    async with dranode.agent() as node:
+        releasing = await node.reporter.wait_phase("alloc_a", "Releasing")
+        assert releasing["pods"] == ["ml/kept"]
+
+        await dranode.kubelet.unprepare([claim])
+
+        await node.reporter.wait_phase("alloc_a", "Released")
+        assert node.files_on_disk() == ["state/dra-claims.json"]
