@@ -80,6 +80,7 @@ class DraNode:
         pool: str = NODE,
         driver: str = dra.DRIVER,
         allocated: bool = True,
+        request: str = "gpus",
     ) -> Claim:
         """A ResourceClaim in the API, allocated (as the scheduler writes it) ``devices``
         (device ids, named in the slice by ``kube.dra.device_name``) from ``pool``."""
@@ -100,7 +101,7 @@ class DraNode:
         created = await self.kube.create(body)
         if allocated:
             results = [
-                {"request": "gpus", "driver": driver, "pool": pool, "device": dra.device_name(d)}
+                {"request": request, "driver": driver, "pool": pool, "device": dra.device_name(d)}
                 for d in devices
             ]
             await self.kube.patch(

@@ -201,3 +201,17 @@ async def test_prepare_twice_answers_the_same_and_unprepare_is_idempotent(dranod
         assert node.plugin is not None
         assert node.plugin.claims is not None
         assert node.plugin.claims.all() == []
+
+
+async def test_a_subrequest_result_is_answered_under_its_main_request(dranode: DraNode) -> None:
+    """A container names the claim's request ("gpus"); a firstAvailable result names
+    "gpus/h100". The kubelet hands a container the devices whose request names contain the
+    container's, so the answer must say "gpus"."""
+    async with dranode.agent() as node:
+        node.put(dra_spec("alloc_a", ["GPU-0"]))
+        await node.reporter.wait_phase("alloc_a", "Bound")
+        claim = await dranode.claim("ml", "c", ["GPU-0"], request="gpus/h100")
+
+        answers = await dranode.kubelet.prepare([claim])
+
+        assert answers[claim.uid].devices == (device("GPU-0"),)

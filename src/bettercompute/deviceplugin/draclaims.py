@@ -169,7 +169,9 @@ def decide(
                 f"{held.allocation.namespace or '(none)'}, not {namespace}"
             )
         owners[held.allocation.allocation_id] = held
-        request = str(result.get("request") or "")
+        # A container names the claim's top-level request, while a result of a firstAvailable
+        # subrequest says "<request>/<subrequest>": the kubelet matches the former exactly.
+        request = str(result.get("request") or "").split("/", 1)[0]
         devices.append(
             PreparedDevice(
                 request_names=(request,) if request else (),
