@@ -56,6 +56,7 @@ QUOTAS = {
 
 def full() -> dict[str, Any]:
     return {
+        "dra": {"enabled": True},
         "image": {
             "repository": "registry.example/bcd/better-compute",
             "digest": "sha256:" + "ab" * 32,

@@ -60,6 +60,9 @@ _EMPTY = "size(self) == 0"
 def json_schema(node: Mapping[str, Any], *, where: str = "spec") -> dict[str, Any]:
     """One OpenAPI node as strict JSON Schema."""
     out: dict[str, Any] = {}
+    if "type" not in node and node.get("x-kubernetes-preserve-unknown-fields"):
+        # A field of any type (``policy.kubernetes``: true or an object): the operator checks it.
+        return {k: node[k] for k in ("description",) if k in node}
     for key, value in node.items():
         if key in _KEPT:
             out[key] = value

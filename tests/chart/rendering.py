@@ -33,6 +33,9 @@ RELEASE = "bc"
 NAMESPACE = "better-compute"
 #: The chart's kubeVersion floor: objects must be valid there (and so on every later version).
 KUBERNETES = "1.30.0"
+#: What ``dra.enabled`` needs: ``resource.k8s.io/v1`` (GA in 1.34), its objects checked there.
+DRA_KUBERNETES = "1.34.0"
+DRA_API = "resource.k8s.io/v1"
 #: Kinds of other projects' CRDs (cert-manager, Prometheus Operator), whose schemas are not
 #: here: the tests that enable them check their fields one by one.
 FOREIGN = frozenset(
@@ -61,10 +64,11 @@ def problems(obj: Mapping[str, Any], *, schemas: Mapping[tuple[str, str], Any]) 
         return []
     if key in schemas:
         return crdschema.validate(dict(obj), with_implicit_root(schemas[key]))
+    version = DRA_KUBERNETES if key[0] == DRA_API else KUBERNETES
     try:
-        kubernetes_validate.validate(dict(obj), KUBERNETES, strict=True)
+        kubernetes_validate.validate(dict(obj), version, strict=True)
     except kubernetes_validate.SchemaNotFoundError:
-        return [f"{key}: no schema for this kind in Kubernetes {KUBERNETES} nor among our CRDs"]
+        return [f"{key}: no schema for this kind in Kubernetes {version} nor among our CRDs"]
     except kubernetes_validate.ValidationError as e:
         where = ".".join(str(p) for p in e.path) or "(root)"
         return [f"{where}: {e.message}"]

@@ -125,6 +125,7 @@ def test_every_namespaced_object_is_in_the_release_namespace(everything: renderi
         "ValidatingWebhookConfiguration",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "DeviceClass",
         "ClusterKopfPeering",
         "GPUPool",
         "GPUQuota",

@@ -69,6 +69,9 @@ WIDENED = {
     # integer, and the CEL format rule ratchets (1.30 and later: an unchanged value is kept).
     ("reservations.bcd.dev", ".spec.start"): ("integer", "int-or-string"),
     ("reservations.bcd.dev", ".spec.until"): ("integer", "int-or-string"),
+    # true → true or {api: devicePlugin | dra} (issue 28): a stored boolean still passes the
+    # field's CEL rule, and is read as before.
+    ("gpupools.bcd.dev", ".spec.policy.kubernetes"): ("boolean", "any"),
 }
 
 

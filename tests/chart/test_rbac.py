@@ -233,11 +233,23 @@ NOT_EXERCISED = {
         # EventSubscriptions (tests/operator/test_event_subscriptions.py); the life has none.
         ("eventsubscriptions", "patch"),
         ("eventsubscriptions/status", "patch"),
+        # DRA (dra.enabled): this life's pool hands devices out through the device plugin; a
+        # dra pool's template is made and deleted in tests/controlplane/test_real_dra_admission.py.
+        ("resourceclaimtemplates", "get"),
+        ("resourceclaimtemplates", "create"),
+        ("resourceclaimtemplates", "delete"),
     },
     DEVICE_PLUGIN: {
         # With labels that differ from an existing GPUNode's, the agent merges them in. (It
         # reads its Node on every status write, for foreign GPU resources.)
         ("gpunodes", "patch"),
+        # DRA (dra.enabled): slices and claims, on a dra pool's node (tests/controlplane).
+        ("resourceslices", "get"),
+        ("resourceslices", "watch"),
+        ("resourceslices", "create"),
+        ("resourceslices", "update"),
+        ("resourceslices", "delete"),
+        ("resourceclaims", "get"),
     },
 }
 
@@ -257,10 +269,44 @@ def _granted(rendered: rendering.Rendered) -> set[tuple]:
     return found
 
 
-def _expected() -> set[tuple]:
+#: What ``dra.enabled`` adds (off by default: it needs Kubernetes 1.34's resource.k8s.io/v1).
+#: The node agent's slice writes are limited to its own node and driver by the chart's
+#: device-plugin-policy.yaml (tests/controlplane/test_real_dra_admission.py).
+EXPECTED_DRA = [
+    (
+        "ClusterRole",
+        OPERATOR,
+        "resource.k8s.io",
+        "resourceclaimtemplates",
+        None,
+        "get create delete",
+        "claiming: a Reservation's claim template",
+    ),
+    (
+        "ClusterRole",
+        DEVICE_PLUGIN,
+        "resource.k8s.io",
+        "resourceslices",
+        None,
+        "get watch create update delete",
+        "draslices: its node's ResourceSlice",
+    ),
+    (
+        "ClusterRole",
+        DEVICE_PLUGIN,
+        "resource.k8s.io",
+        "resourceclaims",
+        None,
+        "get",
+        "DRA prepare: the claim's allocation",
+    ),
+]
+
+
+def _expected(*, dra: bool = True) -> set[tuple]:
     return {
         (kind, name, group, resource, names, verb)
-        for kind, name, group, resource, names, verbs, _ in EXPECTED
+        for kind, name, group, resource, names, verbs, _ in EXPECTED + (EXPECTED_DRA if dra else [])
         for verb in verbs.split()
     }
 
@@ -271,8 +317,9 @@ def test_the_rules_are_exactly_the_table(everything: rendering.Rendered):
     assert _expected() - granted == set(), "in the table but not granted"
 
 
-def test_the_defaults_grant_the_same(defaults: rendering.Rendered, everything):
-    assert _granted(defaults) == _granted(everything)
+def test_the_defaults_grant_the_same_but_dra(defaults: rendering.Rendered, everything):
+    assert _granted(defaults) == _expected(dra=False)
+    assert _granted(everything) - _granted(defaults) == _expected() - _expected(dra=False)
 
 
 def test_no_wildcards_secrets_or_pods(everything: rendering.Rendered):

@@ -303,12 +303,13 @@ CONSTRAINTS = (
     "minItems",
     "maxItems",
     "int-or-string",
-    "bool-or-object",
+    "any",
 )
 
-#: The CEL rule a CRD writes for a model's ``bool | Model`` union (``policy.kubernetes``): a
-#: schema cannot give one field two types, so the node keeps what is written and this checks it.
-BOOL_OR_OBJECT_RULE = re.compile(r"^type\(self\) == bool \|\| \(type\(self\) == map && ")
+#: A model's ``bool | Model`` union (``policy.kubernetes``: ``true`` or ``{api: …}``): a CRD can
+#: give a field one type only and compiles no CEL rule for an untyped one, so it keeps the field
+#: as written (preserve-unknown-fields, no type) and the operator's model checks it.
+ANY = {"any": True}
 
 
 def model_shape(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
@@ -320,9 +321,7 @@ def model_shape(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[s
             assert all(set(o) == {"type"} for o in options), f"{path}: a constrained int-or-string"
             return {"int-or-string": True}
         if sorted(o.get("type", "") for o in options) == ["boolean", "object"]:
-            (obj,) = (o for o in options if o.get("type") == "object")
-            # The object's keys are what the CRD's rule allows (``self.all(k, k == 'api')``).
-            return {"bool-or-object": sorted(obj.get("properties", {}))}
+            return ANY
         assert len(options) == 1, f"{path}: a union a CRD cannot mirror: {node['anyOf']}"
         return model_shape(options[0], defs, path)
     return _shape(node, lambda child, where: model_shape(child, defs, where), path)
@@ -332,11 +331,8 @@ def crd_shape(node: dict[str, Any], path: str) -> dict[str, Any]:
     """A CRD schema node reduced to the same terms as ``model_shape``."""
     if node.get("x-kubernetes-int-or-string"):
         return {"int-or-string": True, **{k: node[k] for k in CONSTRAINTS if k in node}}
-    rules = [r["rule"] for r in node.get("x-kubernetes-validations", [])]
     if "type" not in node and node.get("x-kubernetes-preserve-unknown-fields"):
-        for rule in rules:
-            if BOOL_OR_OBJECT_RULE.match(rule):
-                return {"bool-or-object": sorted(re.findall(r"k == '(\w+)'", rule))}
+        return ANY
     return _shape(node, crd_shape, path)
 
 

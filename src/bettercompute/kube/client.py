@@ -320,6 +320,27 @@ class KubeClient:
             raise _error(e) from e
         return _plain(replaced)
 
+    async def serves(self, group_version: str) -> bool:
+        """Whether the API server serves ``group_version`` (``resource.k8s.io/v1``): its
+        discovery document answers. lightkube has no discovery call, so this asks its HTTP
+        client (configured with the server, credentials and CA) for ``/apis/<group_version>``."""
+        http = self._client._client._client
+        try:
+            answer = await self._within(http.get(f"/apis/{group_version}"))
+        except KubeError:
+            raise
+        except Exception as e:
+            raise _error(e) from e
+        if answer.status_code == 404:
+            return False
+        if answer.status_code >= 400:
+            raise KubeError(
+                status=answer.status_code,
+                reason="Discovery",
+                message=f"/apis/{group_version}: {answer.status_code} {answer.text[:200]}",
+            )
+        return True
+
     async def delete(self, resource: Any, name: str, *, namespace: str | None = None) -> bool:
         """``False`` when there was nothing to delete."""
         try:

@@ -27,9 +27,10 @@ import kopf
 from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.core.pools import PoolDefinition
-from bettercompute.kube import names, resources
+from bettercompute.kube import dra, names, resources
 from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import (
+    claiming,
     definitions,
     podaccess,
     podowners,
@@ -250,7 +251,21 @@ def make_registry(
             return
         runtime.applied_pools.add(name)
         await _apply_nodes(runtime, pool_specs, node_bodies, override={name: dict(spec)})
-        await _pool_status(runtime, body, ready=True, nodes=_nodes_taken(runtime, name))
+        conditions = []
+        if definition.pool.policy.kubernetes_api == dra.API_DRA:
+            # A dra pool on a cluster without resource.k8s.io/v1: said here, and no claim
+            # template is attempted (claiming.ClaimTemplates.follow asks the same question).
+            conditions.append(
+                claiming.pool_condition(
+                    served=await runtime.claims.served(),
+                    now=runtime.projector.clock(),
+                    previous=(body.get("status") or {}).get("conditions"),
+                    generation=int((body.get("metadata") or {}).get("generation") or 0),
+                )
+            )
+        await _pool_status(
+            runtime, body, ready=True, nodes=_nodes_taken(runtime, name), more=conditions
+        )
 
     @kopf.on.delete(*GPUPOOLS, registry=registry)
     async def pool_deleted(name: str, memo: Any, **kwargs: Any) -> None:
@@ -530,6 +545,7 @@ async def _pool_status(
     nodes: int | None = None,
     reason: str = "Applied",
     message: str = "",
+    more: list[dict[str, Any]] | None = None,
 ) -> None:
     meta = body.get("metadata") or {}
     status: dict[str, Any] = {
@@ -547,7 +563,8 @@ async def _pool_status(
                     now=runtime.projector.clock(),
                 ),
                 "observedGeneration": int(meta.get("generation") or 0),
-            }
+            },
+            *(more or ()),
         ],
     }
     if nodes is not None:

@@ -37,7 +37,7 @@ from typing import Any
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.kube import resources
 from bettercompute.kube.client import KubeClient, KubeError
-from bettercompute.operator import statuses
+from bettercompute.operator import claiming, statuses
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
@@ -132,10 +132,13 @@ class Projector:
         nodes: NodeService,
         kube: KubeClient,
         objects: Objects,
+        claims: claiming.ClaimTemplates | None = None,
         clock: Callable[[], str] = now_rfc3339,
         concurrency: int = 16,
     ):
         self.service = service
+        #: A dra pool's Reservations: their ResourceClaimTemplates follow each projection.
+        self.claims = claims
         self.owners = ReservationOwners(service.db)
         self.nodes = nodes
         self.kube = kube
@@ -208,8 +211,10 @@ class Projector:
         generation: int | None = None,
         extra: Mapping[str, Any] | None = None,
         keep_refusal: bool = True,
+        uid: str | None = None,
     ) -> None:
-        """Write the projection of ``view`` on one object now (the handlers' path)."""
+        """Write the projection of ``view`` on one object now (the handlers' path); ``uid``
+        is the object's, the owner of its claim template (a dra pool's)."""
         rid = str(view["id"])
         if keep_refusal:
             refused = self._refusals.get(rid) or statuses.refused_in(previous)
@@ -225,6 +230,7 @@ class Projector:
             now=self.clock(),
             refused=refused,
         )
+        status.update(await self._claim_template(namespace, name, uid, view))
         status.update(extra or {})
         await self.kube.patch(
             resources.RESERVATIONS,
@@ -234,6 +240,21 @@ class Projector:
             status=True,
         )
         self.projected += 1
+
+    async def _claim_template(
+        self, namespace: str, name: str, uid: str | None, view: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if self.claims is None:
+            return {}
+        if uid is None:
+            place = self.objects.where(str(view["id"]))
+            uid = place.uid if place is not None and place.name == name else None
+        try:
+            return await self.claims.follow(namespace=namespace, name=name, uid=uid, view=view)
+        except KubeError as e:
+            # The status is still written; the next projection of it tries the template again.
+            log.warning("could not keep the claim template of %s/%s: %s", namespace, name, e)
+            return {}
 
     async def refuse(
         self,
@@ -275,6 +296,7 @@ class Projector:
             view=view,
             previous=place.status,
             generation=None,
+            uid=place.uid,
         )
         return True
 

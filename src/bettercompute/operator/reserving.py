@@ -369,6 +369,7 @@ class ReservationDoor:
             generation=meta.get("generation"),
             extra=extra,
             keep_refusal=keep_refusal,
+            uid=str(meta["uid"]) if meta.get("uid") else None,
         )
 
     async def _refuse(

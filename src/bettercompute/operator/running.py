@@ -50,7 +50,14 @@ from bettercompute.kube.client import (
     from_kopf,
     in_cluster_server,
 )
-from bettercompute.operator import certificates, handlers, nodeca, nodecerts, webhookcerts
+from bettercompute.operator import (
+    certificates,
+    claiming,
+    handlers,
+    nodeca,
+    nodecerts,
+    webhookcerts,
+)
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.authenticating import TokenReviewAuthenticator
 from bettercompute.operator.config import OperatorConfig
@@ -241,7 +248,10 @@ async def started(
         stack.push_async_callback(service.close)
         nodes = NodeService(db)
         objects = Objects()
-        projector = Projector(service=service, nodes=nodes, kube=kube, objects=objects)
+        claims = claiming.ClaimTemplates(kube=kube, pool_api=clusters.kubernetes_api)
+        projector = Projector(
+            service=service, nodes=nodes, kube=kube, objects=objects, claims=claims
+        )
         delegations = Delegations(kube)
         allocations = AllocationSync(
             service=service,
@@ -259,6 +269,7 @@ async def started(
             kube=kube,
             objects=objects,
             projector=projector,
+            claims=claims,
             allocations=allocations,
             door=ReservationDoor(
                 service=service, projector=projector, kube=kube, delegations=delegations

@@ -18,6 +18,7 @@ import kopf
 from bettercompute.core.inventories import NodeSpec
 from bettercompute.kube.client import KubeClient
 from bettercompute.operator.allocating import AllocationSync
+from bettercompute.operator.claiming import ClaimTemplates
 from bettercompute.operator.config import OperatorConfig
 from bettercompute.operator.nodecerts import NodeSigner
 from bettercompute.operator.projecting import Objects, Projector
@@ -42,6 +43,8 @@ class Runtime:
     kube: KubeClient
     objects: Objects
     projector: Projector
+    #: A dra pool's Reservations' claim templates, and whether the cluster serves DRA.
+    claims: ClaimTemplates
     allocations: AllocationSync
     door: ReservationDoor
     #: Answers node certificate requests and revokes node certificates.

@@ -38,6 +38,7 @@ PROJECTED = (
     "version",
     "leaseExpiresAt",
     "resourceName",
+    "claimTemplate",
     "resources",
     "hostShare",
     "observedGeneration",

@@ -18,6 +18,7 @@ from typing import Any
 from bettercompute.core.inventories import NodeSpec
 from bettercompute.core.pools import Offer, Pool, PoolDefinition, Quota
 from bettercompute.store import capacity, desired, inventory, queries, quotas
+from bettercompute.store import pools as stored_pools
 from bettercompute.store.database import Database
 
 
@@ -97,6 +98,11 @@ class ClusterService:
         await inventory.replace_offers(self.db, pool_id=pool.id, offers=offers)
         for quota in definition.quotas:
             await self.put_quota(quota)
+
+    async def kubernetes_api(self, pool_id: str) -> str | None:
+        """The pool's ``policy.kubernetes.api`` as stored (``devicePlugin`` or ``dra``), or
+        ``None`` for an unknown pool: the operator's claim templates follow it."""
+        return await stored_pools.kubernetes_api(self.db, pool_id=pool_id)
 
     async def pool_capacity(self, pool_id: str) -> dict[str, Any] | None:
         """What the pool holds now (``store.capacity``), or ``None`` for an unknown pool."""

@@ -1,7 +1,8 @@
 """Reading a pool as a tenant sees it: the pool's row and whether it is offered to the tenant.
 
 Why here: admission, previews, the reconciler and the service all judge a request against the
-same ``core.pools.PoolInfo``, built from one query. Never writes, never locks.
+same ``core.pools.PoolInfo``, built from one query; the operator asks a pool's Kubernetes api.
+Never writes, never locks.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bettercompute.core import errors, pools
-from bettercompute.store.database import Conn
+from bettercompute.store.database import Conn, Database
 
 _POOL = """
     SELECT p.id, p.owner_tenant_id, p.region, p.gpu_model, p.sharing_mode, p.replicas,
@@ -31,6 +32,17 @@ async def host_share(conn: Conn, *, pool_id: str) -> dict[str, Any]:
         await conn.execute("SELECT host_share FROM pools WHERE id = %s", (pool_id,))
     ).fetchone()
     return dict(row["host_share"] or {}) if row is not None else {}
+
+
+async def kubernetes_api(db: Database, *, pool_id: str) -> str | None:
+    """How the pool's ``kubernetes`` bindings reach pods now (``policy.kubernetes.api``, with
+    its default), ``None`` for an unknown pool. Read each time, never cached: the api may
+    change once nothing live uses the pool."""
+    async with db.connection() as conn:
+        row = await (
+            await conn.execute("SELECT policy FROM pools WHERE id = %s", (pool_id,))
+        ).fetchone()
+    return None if row is None else pools.kubernetes_api(row["policy"])
 
 
 def pool_info(row: Mapping[str, Any]) -> pools.PoolInfo:
