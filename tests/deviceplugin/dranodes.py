@@ -66,8 +66,9 @@ class DraNode:
         self.node.plugin = self.node.make_plugin(
             dra=self.setup(), inventory_source=inventory_source
         )
+        before = self.kubelet.accepted()
         async with self.node.plugin.running():
-            await self.kubelet.wait_registered(dra.DRIVER)
+            await self.kubelet.wait_registered(dra.DRIVER, after=before)
             yield self.node
         self.node.plugin = None
 

@@ -39,9 +39,10 @@ async def test_the_agent_with_dra_prepares_a_claim_of_a_dra_allocation(
             answers = await found.kubelet.prepare([claim])
 
             assert [d.cdi_device_ids for d in answers[claim.uid].devices] == [
-                ("bcd.dev/gpu=GPU-0",)
+                ("bcd.dev/gpu=GPU-0", f"bcd.dev/gpu=claim-{claim.uid}-gpus")
             ]
             assert (agents.key_file(kubelet_node).parent / "dra-claims.json").is_file()
+            assert (kubelet_node.root / "cdi" / f"bcdclaim-{claim.uid}.json").is_file()
             bound = await kube_api.wait_for(
                 DEVICEALLOCATIONS,
                 NS,

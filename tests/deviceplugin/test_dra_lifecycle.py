@@ -43,8 +43,15 @@ async def test_a_release_stays_releasing_until_every_claim_is_unprepared(
         assert releasing["pods"] == ["ml/first", "ml/second"]
         report = signing.verify(signature=releasing["signature"], public_key=node.key.public_key)
         assert (report["phase"], report["pods"]) == ("Releasing", ["ml/first", "ml/second"])
-        still_held = ["cdi/bcd-alloc_a.json", "env/alloc_a.env", "state/dra-claims.json"]
-        assert node.files_on_disk() == still_held
+        assert node.files_on_disk() == sorted(
+            [
+                "cdi/bcd-alloc_a.json",
+                f"cdi/bcdclaim-{first.uid}.json",
+                f"cdi/bcdclaim-{second.uid}.json",
+                "env/alloc_a.env",
+                "state/dra-claims.json",
+            ]
+        )
         # A new claim on a releasing allocation's devices is refused.
         late = await dranode.claim("ml", "late", ["GPU-0"])
         answers = await dranode.kubelet.prepare([late])
@@ -72,9 +79,14 @@ async def test_prepared_claims_survive_an_agent_restart(dranode: DraNode) -> Non
     registered = len([r for r in dranode.kubelet.registrations if r[1]])
     # The claim is gone from the API: only the checkpoint can answer for it now.
     await dranode.kube.delete(RESOURCE_CLAIMS, "ml", "kept")
+    # A crash left the specs out of step with the checkpoint: one missing, one stray.
+    cdi = dranode.node.root / "cdi"
+    (cdi / f"bcdclaim-{claim.uid}.json").unlink()
+    (cdi / "bcdclaim-0000-stray.json").write_text("{}")
 
     async with dranode.agent() as node:
         await dranode.kubelet.wait_attempts(registered + 1)
+        assert sorted(p.name for p in cdi.glob("bcdclaim-*")) == [f"bcdclaim-{claim.uid}.json"]
         again = await dranode.kubelet.prepare([claim])
         assert again == first
         node.release("alloc_a")

@@ -22,12 +22,15 @@ async def dranode(kubelet_node: Node, kube_api: KubeApi) -> AsyncIterator[DraNod
         yield found
 
 
-def device(device_id: str, *cdi: str) -> PreparedDevice:
+def device(device_id: str, *cdi: str, claim: Claim | None = None) -> PreparedDevice:
+    """A device as the answer names it; the first of its request (``claim`` given) also
+    carries the claim's own CDI device, which sets the container's environment."""
+    own = () if claim is None else (f"bcd.dev/gpu=claim-{claim.uid}-gpus",)
     return PreparedDevice(
         request_names=("gpus",),
         pool_name=NODE,
         device_name=dra.device_name(device_id),
-        cdi_device_ids=(f"bcd.dev/gpu={device_id}", *cdi),
+        cdi_device_ids=(f"bcd.dev/gpu={device_id}", *cdi, *own),
     )
 
 
@@ -52,7 +55,22 @@ async def test_prepare_answers_the_claims_devices_as_cdi_ids(dranode: DraNode) -
         answers = await dranode.kubelet.prepare([claim])
 
         assert answers[claim.uid].error == ""
-        assert answers[claim.uid].devices == (device("GPU-0"), device("GPU-1"))
+        assert answers[claim.uid].devices == (device("GPU-0", claim=claim), device("GPU-1"))
+        spec = json.loads((node.root / "cdi" / f"bcdclaim-{claim.uid}.json").read_text())
+        assert spec["kind"] == "bcd.dev/gpu"
+        assert spec["devices"] == [
+            {
+                "name": f"claim-{claim.uid}-gpus",
+                "containerEdits": {
+                    "env": [
+                        "NVIDIA_VISIBLE_DEVICES=GPU-0,GPU-1",
+                        "BCD_ALLOCATION_ID=alloc_a",
+                        "BCD_RESERVATION_ID=rsv_alloc_a",
+                        "BCD_CLAIM=ml/train-gpus",
+                    ]
+                },
+            }
+        ]
         # Never through the device plugin: the shared resource lists nothing.
         await node.stream(GPU).wait_devices({})
         # The prepared claim now holds the allocation's devices, and the report says so.
@@ -72,7 +90,7 @@ async def test_a_v1beta1_kubelet_prepares_the_same(kubelet_node: Node, kube_api:
         answers = await found.kubelet.prepare([claim])
 
         assert answers[claim.uid].error == ""
-        assert answers[claim.uid].devices == (device("MIG-4a"),)
+        assert answers[claim.uid].devices == (device("MIG-4a", claim=claim),)
 
 
 async def test_nvidia_cdi_device_is_answered_beside_ours(dranode: DraNode) -> None:
@@ -97,7 +115,7 @@ async def test_nvidia_cdi_device_is_answered_beside_ours(dranode: DraNode) -> No
 
         answers = await dranode.kubelet.prepare([claim])
 
-        assert answers[claim.uid].devices == (device("GPU-0", "nvidia.com/gpu=GPU-0"),)
+        assert answers[claim.uid].devices == (device("GPU-0", "nvidia.com/gpu=GPU-0", claim=claim),)
 
 
 async def test_every_claim_of_a_request_gets_its_own_answer(dranode: DraNode) -> None:
@@ -111,7 +129,7 @@ async def test_every_claim_of_a_request_gets_its_own_answer(dranode: DraNode) ->
         answers = await dranode.kubelet.prepare([good, bad, missing])
 
         assert set(answers) == {good.uid, bad.uid, missing.uid}
-        assert answers[good.uid].devices == (device("GPU-0"),)
+        assert answers[good.uid].devices == (device("GPU-0", claim=good),)
         assert "not bound on node" in answers[bad.uid].error
         assert answers[bad.uid].devices == ()
         assert "does not exist" in answers[missing.uid].error
@@ -161,6 +179,7 @@ async def test_refusals(dranode: DraNode) -> None:
         assert node.plugin.claims is not None
         assert node.plugin.claims.all() == []
         assert not dranode.checkpoint.exists()
+        assert not list((node.root / "cdi").glob("bcdclaim-*"))
 
 
 async def test_a_claim_of_another_namespace_allocated_a_reservations_devices_is_refused(
@@ -179,7 +198,7 @@ async def test_a_claim_of_another_namespace_allocated_a_reservations_devices_is_
 
         assert answers[stolen.uid].devices == ()
         assert "of namespace ml, not intruder" in answers[stolen.uid].error
-        assert answers[rightful.uid].devices == (device("GPU-1"),)
+        assert answers[rightful.uid].devices == (device("GPU-1", claim=rightful),)
         assert node.plugin is not None
         assert node.plugin.claims is not None
         assert [c.holder for c in node.plugin.claims.all()] == ["ml/mine"]
@@ -214,4 +233,4 @@ async def test_a_subrequest_result_is_answered_under_its_main_request(dranode: D
 
         answers = await dranode.kubelet.prepare([claim])
 
-        assert answers[claim.uid].devices == (device("GPU-0"),)
+        assert answers[claim.uid].devices == (device("GPU-0", claim=claim),)

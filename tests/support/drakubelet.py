@@ -120,10 +120,18 @@ class DraKubelet:
                     path.unlink()
         await self.start()
 
-    async def wait_registered(self, name: str, *, within: float = 5.0) -> DraPlugin:
+    def accepted(self) -> int:
+        """How many registrations this kubelet accepted so far."""
+        return sum(1 for _, ok, _ in self.registrations if ok)
+
+    async def wait_registered(self, name: str, *, after: int = 0, within: float = 5.0) -> DraPlugin:
+        """The plugin ``name`` once registered, by a registration later than the ``after``-th
+        accepted one (``accepted()`` before a restart: the new plugin, not the old)."""
         try:
             async with asyncio.timeout(within), self._changed:
-                await self._changed.wait_for(lambda: name in self.plugins)
+                await self._changed.wait_for(
+                    lambda: name in self.plugins and self.accepted() > after
+                )
         except TimeoutError:
             raise AssertionError(
                 f"DRA plugin {name} never registered; attempts: {self.registrations}"

@@ -14,6 +14,15 @@ things must hold that the scheduler cannot check for us, and one must survive a 
 - **A prepared claim holds its devices.** ``PreparedClaims.holders`` tells the converger which
   claims hold an allocation's devices, so a release stays ``Releasing`` until the kubelet has
   unprepared every one (the report names them as ``namespace/claim-name`` in ``pods``).
+- **A container gets its environment.** The device plugin's Allocate answer sets
+  ``NVIDIA_VISIBLE_DEVICES`` and the ``BCD_*`` variables for exactly a container's devices; a
+  DRA answer carries only CDI device ids. So each prepared claim gets a CDI spec of its own
+  (``<cdi dir>/bcdclaim-<uid>.json``, kind ``bcd.dev/gpu``, written before the answer and
+  removed at unprepare: ``ClaimFiles``) with one device per request of the claim,
+  ``claim-<uid>-<request>``, whose edits set those variables for that request's devices; its
+  id is answered with the request's first device. (A container that uses several requests of
+  one claim gets several such devices, and the runtime keeps one ``NVIDIA_VISIBLE_DEVICES``;
+  the claim templates the operator writes have one request.)
 - **Prepared claims survive a restart.** They are kept in a JSON checkpoint in the agent's
   state folder (beside its node key), written whole to a temporary name and renamed over, and
   read back on start. A second prepare of the same claim answers the devices it got the first
@@ -31,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -39,10 +49,15 @@ from typing import Any
 from bettercompute.deviceplugin import devicefiles
 from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, is_dra
 from bettercompute.kube import dra
+from bettercompute.kube.names import CDI_KIND
 
 #: The checkpoint's name in the agent's state folder.
 CHECKPOINT_NAME = "dra-claims.json"
 _FORMAT = 1
+CLAIM_FILE_PREFIX = "bcdclaim-"
+ANNOTATION_CLAIM = "bcd.dev/claim-uid"
+# A Kubernetes uid is a UUID; anything else must never become a file name.
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 
 
 class CheckpointError(Exception):
@@ -57,6 +72,8 @@ class PreparedDevice:
     pool_name: str
     device_name: str
     cdi_device_ids: tuple[str, ...]
+    #: What this device adds to ``NVIDIA_VISIBLE_DEVICES`` (a slot: its whole GPU).
+    visible: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +85,7 @@ class PreparedClaim:
     name: str
     allocation_id: str
     devices: tuple[PreparedDevice, ...]
+    reservation_id: str = ""
 
     @property
     def holder(self) -> str:
@@ -79,12 +97,14 @@ class PreparedClaim:
             "namespace": self.namespace,
             "name": self.name,
             "allocationId": self.allocation_id,
+            "reservationId": self.reservation_id,
             "devices": [
                 {
                     "requestNames": list(d.request_names),
                     "poolName": d.pool_name,
                     "deviceName": d.device_name,
                     "cdiDeviceIds": list(d.cdi_device_ids),
+                    "visible": list(d.visible),
                 }
                 for d in self.devices
             ],
@@ -97,12 +117,14 @@ class PreparedClaim:
             namespace=str(document["namespace"]),
             name=str(document["name"]),
             allocation_id=str(document["allocationId"]),
+            reservation_id=str(document.get("reservationId", "")),
             devices=tuple(
                 PreparedDevice(
                     request_names=tuple(str(r) for r in d["requestNames"]),
                     pool_name=str(d["poolName"]),
                     device_name=str(d["deviceName"]),
                     cdi_device_ids=tuple(str(c) for c in d["cdiDeviceIds"]),
+                    visible=tuple(str(v) for v in d.get("visible", ())),
                 )
                 for d in document["devices"]
             ),
@@ -169,15 +191,17 @@ def decide(
                 f"{held.allocation.namespace or '(none)'}, not {namespace}"
             )
         owners[held.allocation.allocation_id] = held
-        # A container names the claim's top-level request, while a result of a firstAvailable
-        # subrequest says "<request>/<subrequest>": the kubelet matches the former exactly.
-        request = str(result.get("request") or "").split("/", 1)[0]
+        names = request_names(result)
+        cdi_ids = _cdi_ids(allocations, held, device_id)
+        if names not in {d.request_names for d in devices}:  # the request's first device
+            cdi_ids.append(claim_cdi_name(uid, names))
         devices.append(
             PreparedDevice(
-                request_names=(request,) if request else (),
+                request_names=names,
                 pool_name=pool,
                 device_name=device,
-                cdi_device_ids=tuple(_cdi_ids(allocations, held, device_id)),
+                cdi_device_ids=tuple(cdi_ids),
+                visible=tuple(_visible(held, device_id)),
             )
         )
     if len(owners) > 1:
@@ -185,10 +209,23 @@ def decide(
             f"{where}: its devices span allocations {', '.join(sorted(owners))}; a claim "
             "takes devices of one reservation only"
         )
-    (allocation_id,) = owners
+    ((allocation_id, owner),) = owners.items()
     return PreparedClaim(
-        uid=uid, namespace=namespace, name=name, allocation_id=allocation_id, devices=tuple(devices)
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        allocation_id=allocation_id,
+        devices=tuple(devices),
+        reservation_id=owner.allocation.reservation_id,
     )
+
+
+def request_names(result: Mapping[str, Any]) -> tuple[str, ...]:
+    """The request names a result's device is answered under. A container names the claim's
+    top-level request, while a result of a firstAvailable subrequest says
+    ``<request>/<subrequest>``: the kubelet matches the former exactly."""
+    request = str(result.get("request") or "").split("/", 1)[0]
+    return (request,) if request else ()
 
 
 def _bound_by_name(allocations: Allocations) -> dict[str, tuple[Held, str]]:
@@ -203,16 +240,97 @@ def _bound_by_name(allocations: Allocations) -> dict[str, tuple[Held, str]]:
     return found
 
 
-def _cdi_ids(allocations: Allocations, held: Held, device_id: str) -> list[str]:
-    """bcd's CDI device, then NVIDIA's for the GPU behind it when the node's specs name one."""
+def _visible(held: Held, device_id: str) -> list[str]:
     allocation = held.allocation
     parent = allocation.parent_gpus[allocation.device_ids.index(device_id)]
-    visible = devicefiles.visible_devices(
+    return devicefiles.visible_devices(
         device_class=allocation.device_class, device_ids=[device_id], parent_gpus=[parent]
     )
+
+
+def _cdi_ids(allocations: Allocations, held: Held, device_id: str) -> list[str]:
+    """bcd's CDI device, then NVIDIA's for the GPU behind it when the node's specs name one."""
     inventory = allocations.inventory
+    visible = _visible(held, device_id)
     nvidia = [] if inventory is None else inventory.nvidia_cdi.devices_for(visible)
     return [devicefiles.cdi_name(device_id), *nvidia]
+
+
+def claim_device(uid: str, request: str) -> str:
+    """The CDI device of one request of a prepared claim, in its own spec."""
+    return f"claim-{uid}-{request}" if request else f"claim-{uid}"
+
+
+def claim_cdi_name(uid: str, request_names: tuple[str, ...]) -> str:
+    return devicefiles.cdi_name(claim_device(uid, request_names[0] if request_names else ""))
+
+
+def claim_spec(claim: PreparedClaim) -> dict[str, Any]:
+    """The CDI spec of a prepared claim: per request, the environment its container needs."""
+    requests: dict[tuple[str, ...], list[str]] = {}
+    for device in claim.devices:
+        requests.setdefault(device.request_names, []).extend(device.visible)
+    return {
+        "cdiVersion": devicefiles.CDI_VERSION,
+        "kind": CDI_KIND,
+        "annotations": {
+            ANNOTATION_CLAIM: claim.uid,
+            devicefiles.ANNOTATION_ALLOCATION: claim.allocation_id,
+        },
+        "devices": [
+            {
+                "name": claim_device(claim.uid, names[0] if names else ""),
+                "containerEdits": {
+                    "env": [
+                        "NVIDIA_VISIBLE_DEVICES=" + ",".join(dict.fromkeys(visible)),
+                        f"BCD_ALLOCATION_ID={claim.allocation_id}",
+                        f"BCD_RESERVATION_ID={claim.reservation_id}",
+                        f"BCD_CLAIM={claim.holder}",
+                    ]
+                },
+            }
+            for names, visible in requests.items()
+        ],
+    }
+
+
+class ClaimFiles:
+    """The prepared claims' CDI specs in the node's CDI folder (``bcdclaim-<uid>.json``, a
+    prefix no allocation file has, so ``devicefiles`` never takes one for a leftover)."""
+
+    def __init__(self, cdi_dir: Path) -> None:
+        self.cdi_dir = cdi_dir
+
+    def path(self, uid: str) -> Path:
+        if not _UID.fullmatch(uid):
+            raise CheckpointError(f"claim uid {uid!r} cannot name a file")
+        return self.cdi_dir / f"{CLAIM_FILE_PREFIX}{uid}.json"
+
+    def write(self, claim: PreparedClaim) -> None:
+        try:
+            _write_atomically(self.path(claim.uid), json.dumps(claim_spec(claim), indent=2))
+        except OSError as e:
+            raise CheckpointError(f"cannot write the CDI spec of claim {claim.holder}: {e}") from e
+
+    def remove(self, uid: str) -> None:
+        with contextlib.suppress(CheckpointError):
+            self.path(uid).unlink(missing_ok=True)
+
+    def uids(self) -> set[str]:
+        if not self.cdi_dir.is_dir():
+            return set()
+        found = (p.name for p in self.cdi_dir.glob(f"{CLAIM_FILE_PREFIX}*.json"))
+        return {n.removeprefix(CLAIM_FILE_PREFIX).removesuffix(".json") for n in found}
+
+    def match(self, claims: Iterable[PreparedClaim]) -> None:
+        """Write every prepared claim's spec, remove those of claims no longer prepared
+        (a start after a crash between the two steps of a prepare or an unprepare)."""
+        keep = set()
+        for claim in claims:
+            self.write(claim)
+            keep.add(claim.uid)
+        for uid in self.uids() - keep:
+            self.remove(uid)
 
 
 class PreparedClaims:

@@ -113,6 +113,11 @@ class DraRegistrar:
             await self._serve_registration()
 
     async def stop(self) -> None:
+        """Stop serving and remove our registration socket: the watcher then forgets the
+        plugin at once, rather than keep dialling a socket nobody serves."""
+        if not self._registration_gone():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         await self._stop_registration()
         await self.server.stop()
 

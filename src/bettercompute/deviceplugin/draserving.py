@@ -12,8 +12,11 @@ otherwise the claim is read from the API (``ClaimReader``: the kubelet sends onl
 name and uid), ``draclaims.decide`` says whether and with which devices, and the answer is
 remembered on disk before it is given. Each device is answered with bcd's CDI device
 (``bcd.dev/gpu=<id>``, the spec ``devicefiles`` wrote for the allocation) and NVIDIA's for the
-GPU behind it when the node's NVIDIA specs name one. Unprepare forgets the claims (unknown ones
-too: it is idempotent) and wakes the converger, which may then finish a release.
+GPU behind it when the node's NVIDIA specs name one; the first device of each request also
+with the claim's own CDI device (``bcd.dev/gpu=claim-<uid>-<request>``, whose spec
+``draclaims.ClaimFiles`` writes before the answer), which sets the container's environment.
+Unprepare forgets the claims (unknown ones too: it is idempotent), removes their specs and wakes
+the converger, which may then finish a release.
 
 Every claim of a request gets an entry in the answer; a claim that cannot be prepared gets a
 per-claim ``error`` (the kubelet retries it), never a gRPC error, which would fail the other
@@ -39,7 +42,12 @@ import grpc
 
 from bettercompute.deviceplugin import draclaims
 from bettercompute.deviceplugin.allocations import Allocations
-from bettercompute.deviceplugin.draclaims import PreparedClaim, PreparedClaims, Refusal
+from bettercompute.deviceplugin.draclaims import (
+    ClaimFiles,
+    PreparedClaim,
+    PreparedClaims,
+    Refusal,
+)
 from bettercompute.kube import dra, resources
 from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.proto.dra.v1 import api_pb2 as v1_pb2
@@ -103,12 +111,14 @@ class Preparer:
         allocations: Allocations,
         claims: PreparedClaims,
         reader: ClaimReader,
+        files: ClaimFiles,
         changed: Callable[[], None] | None = None,
     ) -> None:
         self.node_name = node_name
         self.allocations = allocations
         self.claims = claims
         self.reader = reader
+        self.files = files
         #: Called after a claim is prepared or unprepared (the converger's ``wake``).
         self.changed = changed
 
@@ -127,6 +137,10 @@ class Preparer:
                     f"claim uid {ref.uid} was prepared as {known.namespace}/{known.name}, "
                     f"not {ref.namespace}/{ref.name}"
                 )
+            try:
+                self.files.write(known)  # heals a spec someone removed
+            except draclaims.CheckpointError as e:
+                return Refusal(str(e))
             return known  # the kubelet asks again (its restart, a retry): the same answer
         try:
             claim = await self.reader.read(namespace=ref.namespace, name=ref.name)
@@ -146,8 +160,10 @@ class Preparer:
             log.warning("refused to prepare %s/%s: %s", ref.namespace, ref.name, decided.reason)
             return decided
         try:
+            self.files.write(decided)
             self.claims.add(decided)
         except draclaims.CheckpointError as e:
+            self.files.remove(decided.uid)
             return Refusal(str(e))
         log.info(
             "prepared ResourceClaim %s/%s (%s): allocation %s, devices %s",
@@ -167,6 +183,8 @@ class Preparer:
             gone = self.claims.remove(ref.uid for ref in refs)
         except draclaims.CheckpointError as e:
             return {ref.uid: str(e) for ref in refs}
+        for ref in refs:  # unknown ones too: a crash may have left a spec behind
+            self.files.remove(ref.uid)
         for claim in gone:
             log.info("unprepared ResourceClaim %s (%s)", claim.holder, claim.uid)
         if gone and self.changed is not None:

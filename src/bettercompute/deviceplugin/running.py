@@ -40,7 +40,7 @@ from bettercompute.deviceplugin.allocations import RESOURCES, Allocations
 from bettercompute.deviceplugin.cgroups import Cgroups
 from bettercompute.deviceplugin.converging import Converger, DesiredAllocations, StatusReporter
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
-from bettercompute.deviceplugin.draclaims import PreparedClaims
+from bettercompute.deviceplugin.draclaims import CheckpointError, ClaimFiles, PreparedClaims
 from bettercompute.deviceplugin.draregistering import DraRegistrar
 from bettercompute.deviceplugin.draserving import ClaimReader, DraServer, Preparer
 from bettercompute.deviceplugin.metrics import DevicePluginMetrics
@@ -94,6 +94,7 @@ class NodePlugin:
         #: Loading the checkpoint may raise ``draclaims.CheckpointError``.
         self.claims: PreparedClaims | None = None
         self.dra_registrar: DraRegistrar | None = None
+        self.claim_files = ClaimFiles(files.cdi_dir)
         if dra is not None:
             self.claims = PreparedClaims.load(dra.checkpoint)
             preparer = Preparer(
@@ -101,6 +102,7 @@ class NodePlugin:
                 allocations=self.allocations,
                 claims=self.claims,
                 reader=dra.reader,
+                files=self.claim_files,
                 changed=lambda: self.converger.wake(),
             )
             self.dra_registrar = DraRegistrar(
@@ -174,7 +176,15 @@ class NodePlugin:
             tasks.create_task(self.converger.run())
             tasks.create_task(self.registrar.run())
             if self.dra_registrar is not None:
-                tasks.create_task(self.dra_registrar.run())
+                tasks.create_task(self._serve_dra(self.dra_registrar))
+
+    async def _serve_dra(self, registrar: DraRegistrar) -> None:
+        claims = [] if self.claims is None else self.claims.all()
+        try:  # the specs of the prepared claims, and of no other
+            await asyncio.to_thread(self.claim_files.match, claims)
+        except CheckpointError as e:
+            log.warning("%s; written again when the kubelet prepares the claim", e)
+        await registrar.run()
 
     async def stop_servers(self) -> None:
         """Stop every server this plugin runs (idempotent)."""
