@@ -3,13 +3,15 @@ reservation, over real gRPC (v1 and v1beta1), and refuses every other claim by i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
 import pytest
 
-from bettercompute.deviceplugin import nvidiacdi
+from bettercompute.deviceplugin import draserving, nvidiacdi
 from bettercompute.kube import dra
+from bettercompute.kube.client import KubeClient, kube_config
 from tests.deviceplugin.conftest import GPU, NODE, Node, allocation_spec
 from tests.deviceplugin.dranodes import DraNode, dra_node, dra_spec, wait_report
 from tests.support.drakubelet import Claim, PreparedDevice
@@ -91,6 +93,10 @@ async def test_a_v1beta1_kubelet_prepares_the_same(kubelet_node: Node, kube_api:
 
         assert answers[claim.uid].error == ""
         assert answers[claim.uid].devices == (device("MIG-4a", claim=claim),)
+        assert await found.kubelet.unprepare([claim]) == {claim.uid: ""}
+        assert node.plugin is not None
+        assert node.plugin.claims is not None
+        assert node.plugin.claims.all() == []
 
 
 async def test_nvidia_cdi_device_is_answered_beside_ours(dranode: DraNode) -> None:
@@ -234,3 +240,39 @@ async def test_a_subrequest_result_is_answered_under_its_main_request(dranode: D
         answers = await dranode.kubelet.prepare([claim])
 
         assert answers[claim.uid].devices == (device("GPU-0", claim=claim),)
+
+
+async def test_a_kubelet_that_speaks_no_offered_version_refuses_and_the_plugin_hears_why(
+    kubelet_node: Node, kube_api: KubeApi
+) -> None:
+    async with dra_node(kubelet_node, kube_api, speaks=("v1alpha4",)) as found:
+        kubelet_node.plugin = kubelet_node.make_plugin(dra=found.setup())
+        async with kubelet_node.plugin.running():
+            await found.kubelet.wait_attempts(1)
+            registrar = kubelet_node.plugin.dra_registrar
+            assert registrar is not None
+            assert found.kubelet.plugins == {}
+            assert registrar.statuses[0][0] is False
+            assert "v1.DRAPlugin" in registrar.statuses[0][1]
+
+
+async def test_an_unreachable_api_fails_the_claim_not_the_call(
+    kubelet_node: Node, kube_api: KubeApi
+) -> None:
+    """The claim cannot be read: its answer says so (the kubelet retries), and the claim is
+    not prepared on faith."""
+    async with dra_node(kubelet_node, kube_api) as found:
+        config, _ = kube_config(api_server="http://127.0.0.1:1", api_token="t")
+        async with KubeClient(config, timeout_s=1.0) as dead:
+            setup = dataclasses.replace(found.setup(), reader=draserving.KubeClaimReader(dead))
+            kubelet_node.plugin = kubelet_node.make_plugin(dra=setup)
+            async with kubelet_node.plugin.running():
+                await found.kubelet.wait_registered(dra.DRIVER)
+                kubelet_node.put(dra_spec("alloc_a", ["GPU-0"]))
+                await kubelet_node.reporter.wait_phase("alloc_a", "Bound")
+                claim = Claim(namespace="ml", name="c", uid="1234")
+
+                answers = await found.kubelet.prepare([claim])
+
+                assert "cannot read ResourceClaim ml/c" in answers[claim.uid].error
+                assert answers[claim.uid].devices == ()
