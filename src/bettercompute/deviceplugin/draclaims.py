@@ -1,8 +1,8 @@
 """Which ResourceClaims this node has prepared, and whether a claim may be prepared at all.
 
 Why it exists: with Dynamic Resource Allocation the kubelet asks the node's DRA plugin to
-prepare each ResourceClaim the scheduler allocated from our ResourceSlice (``draserving``). Two
-things must hold that the scheduler cannot check for us, and one must survive a restart:
+prepare each ResourceClaim the scheduler allocated from our ResourceSlice (``draserving``). What
+this module keeps true:
 
 - **A claim gets only devices booked for it.** ``decide`` is the one rule: every device the
   claim was allocated from our driver must be in this node's pool, bound here under one ``dra``
@@ -22,7 +22,7 @@ things must hold that the scheduler cannot check for us, and one must survive a 
   ``claim-<uid>-<request>``, whose edits set those variables for that request's devices; its
   id is answered with the request's first device. (A container that uses several requests of
   one claim gets several such devices, and the runtime keeps one ``NVIDIA_VISIBLE_DEVICES``;
-  the claim templates the operator writes have one request.)
+  the claim template the operator writes per Reservation has one request.)
 - **Prepared claims survive a restart.** They are kept in a JSON checkpoint in the agent's
   state folder (beside its node key), written whole to a temporary name and renamed over, and
   read back on start. A second prepare of the same claim answers the devices it got the first
@@ -30,7 +30,8 @@ things must hold that the scheduler cannot check for us, and one must survive a 
 
 What it must never do: prepare a device that is not bound here under a ``dra`` allocation of the
 claim's namespace, forget a prepared claim before the kubelet unprepares it (a damaged
-checkpoint stops the agent rather than free devices), or talk to Kubernetes or the kubelet
+checkpoint stops the agent rather than free devices), write anything but its checkpoint and the
+``bcdclaim-*`` specs (each appears whole or not at all), or talk to Kubernetes or the kubelet
 (``draserving`` does, through ports).
 """
 
