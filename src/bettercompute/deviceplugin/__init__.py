@@ -9,6 +9,9 @@ Modules: ``inventory`` (the node's GPUs), ``devicefiles`` (CDI spec and env file
 ``registering`` (Register, and again after a kubelet restart), ``podresources`` (which pods hold
 devices), ``signing`` (the node key and signed reports), ``converging`` (the agent's core, with
 ports to Kubernetes), ``metrics`` and ``running`` (everything the kubelet sees, wired in order).
+For pools whose devices reach pods through DRA claims: ``draclaims`` (which claims may be
+prepared, and those that were, kept in a checkpoint), ``draserving`` (the kubelet's DRA plugin
+service, v1 and v1beta1) and ``draregistering`` (its plugin-watcher registration).
 The Kubernetes side: ``kube.client`` (credentials and the API client), ``watching`` (the
 node's DeviceAllocations: the converger's two ports, kept by a watch), ``publishing`` (the
 node's GPUNode) and ``agent`` (the process, ``better-compute-deviceplugin``).
