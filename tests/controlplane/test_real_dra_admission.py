@@ -225,12 +225,20 @@ async def enforced(plane: ControlPlane, *, timeout_s: float = 30.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def refused(plane: ControlPlane, method: str, path: str, body: Any, *, token: str) -> str:
-    """The call is refused by an admission policy (422 Invalid); its message."""
-    with pytest.raises(ApiError) as caught:
+async def refused(
+    plane: ControlPlane, method: str, path: str, body: Any, *, token: str | None, what: str = ""
+) -> str:
+    """The call is refused by an admission policy (422 Invalid); its message. ``what`` names
+    the attack in a failure."""
+    caught: ApiError | None = None
+    try:
         await call(plane, method, path, body, token=token)
-    assert caught.value.status == 422, caught.value
-    return str(caught.value)
+    except ApiError as e:
+        caught = e
+    if caught is None:
+        pytest.fail(f"not refused: {what or method + ' ' + path}")
+    assert caught.status == 422, (what, caught)
+    return str(caught)
 
 
 # --- the claim policies ----------------------------------------------------------------------
@@ -291,7 +299,7 @@ async def test_attack_a_claim_selects_only_its_own_namespaces_devices(
         ),
     }
     for what, body in attacks.items():
-        why = await refused(plane, "POST", templates, body, token=alice)
+        why = await refused(plane, "POST", templates, body, token=alice, what=what)
         assert PINNED in why, what
         assert mine in why, what
     why = await refused(
@@ -411,7 +419,9 @@ async def test_attack_an_agent_writes_only_its_own_nodes_slices(
     mine = await agent_token(cluster, pods[NODE])
     own, other = dra.slice_name(NODE), dra.slice_name(OTHER_NODE)
     try:
-        # Until the policy is in force: the agent's create of another node's slice, dry run.
+        # Until the policy is in force: a token bound to no pod (it carries no node) is refused
+        # by its first rule, whatever the rules under test below say.
+        unbound = await agent_token(cluster, None)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -419,8 +429,8 @@ async def test_attack_an_agent_writes_only_its_own_nodes_slices(
                     plane,
                     "POST",
                     SLICES + "?dryRun=All",
-                    resource_slice(other, node=OTHER_NODE),
-                    token=mine,
+                    resource_slice(own, node=NODE),
+                    token=unbound,
                 )
             except ApiError as e:
                 if e.status == 422:
