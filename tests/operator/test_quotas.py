@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bettercompute.operator import handlers, quotas
 from bettercompute.operator.running import Operator
 from bettercompute.store.database import Database
 from tests.operator.conftest import World, apply_world
@@ -181,3 +182,27 @@ async def test_a_stored_gpupool_carrying_quotas_is_refused_by_the_operator(
     assert ready["reason"] == "INVALID_INPUT"
     assert ready["message"].startswith("spec.offers[0].quotas: quotas moved to GPUQuota")
     assert await _limits_in_db(db, "globex") == {}
+
+
+async def test_a_stopped_operators_leftover_timer_writes_no_quota(
+    kube_api: KubeApi, db: Database, start_operator: Any
+):
+    """A kopf whose shutdown is cut short (on a loaded machine it passes its grace) can leave
+    a per-object timer behind: the GPUQuota timer then wrote the tenant's limits into the
+    database long after its operator stopped, where the next user of the database found a
+    quota it never set (a CI run's "quota exceeded … 2 left of 2" with 64 configured). Called
+    once its operator stopped, the timer ends its task and writes nothing."""
+    async with start_operator() as op:
+        await apply_world(kube_api, db)
+        quota = await kube_api.wait_for(
+            GPUQUOTAS, None, "acme", lambda o: _ready(o).get("status") == "True"
+        )
+    assert op.runtime.stopped
+    async with db.connection() as conn:
+        await conn.execute("DELETE FROM quotas")
+    registry = handlers.make_registry(node_certificates=False, pool_status_s=0.5)
+    (timer,) = [h for h in registry._spawning.get_all_handlers() if h.id.endswith(".quota_shown")]
+    index = {"acme": [quotas.claim(quota)]}
+    with pytest.raises(asyncio.CancelledError):
+        await timer.fn(body=quota, memo={"runtime": op.runtime}, quota_claims=index)
+    assert await _limits_in_db(db, "acme") == {}

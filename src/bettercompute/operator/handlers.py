@@ -14,6 +14,7 @@ handlers call, which are tested without kopf.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -59,6 +60,9 @@ def _node_report_csr(spec: kopf.Spec, **_: Any) -> bool:
 
 def _runtime(memo: Any) -> Runtime:
     runtime: Runtime = memo["runtime"]
+    if runtime.stopped:
+        # An orphaned timer or daemon of a stopped operator: end its task, do nothing.
+        raise asyncio.CancelledError(f"the operator stopped; {runtime.config.namespace}")
     return runtime
 
 

@@ -344,6 +344,9 @@ async def started(
             ),
             name="kopf",
         )
+        # Pushed first, so it runs once kopf stopped (or was cut short): from then on a
+        # handler of this kopf that still runs does nothing.
+        stack.callback(setattr, runtime, "stopped", True)
         stack.push_async_callback(_stop_kopf, kopf_task, stop, signals)
 
         async def is_ready() -> bool:
@@ -477,11 +480,10 @@ async def _stop_kopf(
     task: asyncio.Task[None], stop: asyncio.Event, signals: supervising.Signals | None
 ) -> None:
     stop.set()
-    try:
-        # Within the process's grace period (a second signal ends it sooner).
-        async with asyncio.timeout(3):  # not wait_for: on 3.11 it can swallow a cancellation
-            await asyncio.shield(task)
-    except TimeoutError:
+    # Within the process's grace period (a second signal ends it sooner). ``asyncio.wait``
+    # neither cancels the task nor raises what it raised (a kopf already cancelled included).
+    done, _ = await asyncio.wait({task}, timeout=3)
+    if not done:
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -61,6 +61,11 @@ class Runtime:
     admitting: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(ADMITTING_AT_ONCE)
     )
+    #: Set once kopf was told to stop. A kopf cut short in its shutdown (a loaded machine
+    #: passes the grace) leaves per-object timers running; each ends itself at its next call
+    #: (``handlers._runtime``) instead of writing quotas and statuses through a closed client
+    #: into a database that now serves someone else.
+    stopped: bool = False
 
     def node_lock(self, name: str) -> asyncio.Lock:
         """Serialises the writes of one GPUNode (see ``handlers._apply_node``)."""
