@@ -57,14 +57,21 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     return schemas
 
 
-def problems(obj: Mapping[str, Any], *, schemas: Mapping[tuple[str, str], Any]) -> list[str]:
-    """Why the API server would refuse (or prune part of) ``obj``; [] when it would not."""
+def problems(
+    obj: Mapping[str, Any],
+    *,
+    schemas: Mapping[tuple[str, str], Any],
+    kubernetes: str | None = None,
+) -> list[str]:
+    """Why the API server would refuse (or prune part of) ``obj``; [] when it would not.
+    Built-in kinds are checked against ``kubernetes`` (a version; by default the oldest we
+    support, 1.34 for the DRA API's kinds)."""
     key = (obj.get("apiVersion", ""), obj.get("kind", ""))
     if key in FOREIGN:
         return []
     if key in schemas:
         return crdschema.validate(dict(obj), with_implicit_root(schemas[key]))
-    version = DRA_KUBERNETES if key[0] == DRA_API else KUBERNETES
+    version = kubernetes or (DRA_KUBERNETES if key[0] == DRA_API else KUBERNETES)
     try:
         kubernetes_validate.validate(dict(obj), version, strict=True)
     except kubernetes_validate.SchemaNotFoundError:

@@ -35,7 +35,10 @@ def test_the_examples_are_the_ones_the_readme_promises():
 
 @pytest.mark.parametrize(("name", "obj"), EXAMPLES, ids=_ids())
 def test_every_example_is_a_valid_object(name: str, obj: dict, schemas):
-    assert rendering.problems(obj, schemas=schemas) == []
+    # The DRA examples are for Kubernetes 1.34 and later (a pod's resourceClaims as 1.34 has
+    # them); the rest for the oldest version we support.
+    version = rendering.DRA_KUBERNETES if "dra" in name else None
+    assert rendering.problems(obj, schemas=schemas, kubernetes=version) == []
 
 
 @pytest.mark.parametrize(
@@ -123,3 +126,20 @@ def test_the_labelled_pod_asks_for_what_its_reservation_books():
 def test_the_tenant_namespace_is_labelled():
     (namespace,) = [o for _, o in EXAMPLES if o["kind"] == "Namespace"]
     assert namespace["metadata"]["labels"][names.TENANT_LABEL] == "acme"
+
+
+def test_the_dra_job_uses_the_claim_template_its_reservation_gets():
+    """The operator names a dra Reservation's claim template after the Reservation; the Job's
+    pod asks for it by that name, and its container names the pod's claim."""
+    (reservation,) = [o for n, o in EXAMPLES if n == "reservation-dra.yaml"]
+    (pool,) = [o for n, o in EXAMPLES if n == "gpupool-dra.yaml"]
+    (job,) = [o for n, o in EXAMPLES if n == "job-dra.yaml"]
+    assert reservation["spec"]["poolId"] == pool["metadata"]["name"]
+    assert pool["spec"]["policy"]["kubernetes"] == {"api": "dra"}
+    assert reservation["spec"]["binding"] == "kubernetes"
+    pod = job["spec"]["template"]["spec"]
+    (claim,) = pod["resourceClaims"]
+    assert claim["resourceClaimTemplateName"] == reservation["metadata"]["name"]
+    assert job["metadata"]["namespace"] == reservation["metadata"]["namespace"]
+    (container,) = pod["containers"]
+    assert container["resources"]["claims"] == [{"name": claim["name"]}]

@@ -37,6 +37,8 @@ HOST_PATHS = {
     "/var/lib/bcd",
     "/sys/fs/cgroup",
 }
+#: What dra.enabled adds: the DRA plugin's socket, and the plugin watcher's folder.
+DRA_HOST_PATHS = {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry"}
 POD = {"name": "bc-better-compute-operator-1", "index": "1", "node": "gpu-node-1"}
 
 
@@ -119,7 +121,8 @@ def test_the_device_plugin_mounts_exactly_the_host_paths(which, request: pytest.
     rendered: rendering.Rendered = request.getfixturevalue(which)
     pod = rendering.pod_spec(rendered.one("DaemonSet"))
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert set(host.values()) == HOST_PATHS
+    # "everything" turns DRA on, the defaults leave it off.
+    assert set(host.values()) == HOST_PATHS | (DRA_HOST_PATHS if which == "everything" else set())
     (container,) = pod["containers"]
     mounted = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     for name, path in host.items():

@@ -18,7 +18,8 @@ Why it exists: it is the composition root of the node side. ``started`` wires, i
    adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher; with
    ``--dra``, also the DRA plugin for ``gpu.bcd.dev`` (``draserving``, registered through the
    kubelet's plugin watcher by ``draregistering``), reading claims through the same client and
-   keeping its prepared claims in ``dra-claims.json`` beside the node key;
+   keeping its prepared claims in ``dra-claims.json`` beside the node key, and the
+   ResourceSlice publisher (``draslices``), which publishes the bound dra devices;
 6. the enroller (``enrolling``), which asks the operator's CA for the node certificate through
    a CertificateSigningRequest, keeps it beside the key and renews it.
 
@@ -62,6 +63,7 @@ from bettercompute.deviceplugin import (
 )
 from bettercompute.deviceplugin.allocations import RESOURCES
 from bettercompute.deviceplugin.devicefiles import DeviceFiles
+from bettercompute.deviceplugin.draslices import SlicePublisher
 from bettercompute.deviceplugin.foreign import ForeignExposure
 from bettercompute.deviceplugin.health import (
     HealthChecked,
@@ -179,6 +181,8 @@ class Agent:
     url: str
     tasks: list[asyncio.Task[None]]
     enroller: enrolling.Enroller | None = None
+    #: With ``--dra``: keeps this node's ResourceSlices equal to its bound dra devices.
+    slices: SlicePublisher | None = None
     #: The node certificate in use (PEM), once the operator issued one.
     certificate_pem: bytes | None = None
 
@@ -375,6 +379,15 @@ async def started(
         tasks.append(
             supervising.task(publisher.run(allocations=plugin.allocations), name="gpunode")
         )
+        if config.dra:
+            agent.slices = SlicePublisher(
+                client=client, node_name=config.node_name, registry=registry
+            )
+            tasks.append(
+                supervising.task(
+                    agent.slices.run(allocations=plugin.allocations), name="resourceslices"
+                )
+            )
         if config.enrol:
             agent.enroller = enrolling.Enroller(
                 client=client,
