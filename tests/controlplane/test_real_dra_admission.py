@@ -554,6 +554,27 @@ async def test_a_dra_reservation_gets_its_claim_template_until_released(
         shown["metadata"]["uid"],
     )
 
+    # A template of another Reservation's name, made by the tenant before it (pinned, so the
+    # policies let it): the operator neither adopts it nor names it in that status.
+    await claims_user(plane, NS, ALICE)
+    squat = claim_template("squat", NS, request(selectors=[dra.namespace_selector(NS)]))
+    await call(plane, "POST", TEMPLATES.format(ns=NS), squat, token=plane.tokens[ALICE])
+    await call(
+        plane,
+        "POST",
+        RESERVATIONS.format(ns=NS),
+        reservation("squat", NS, gpus=1, binding="kubernetes"),
+        token=plane.tokens[ALICE],
+    )
+    placed = await wait_for(
+        plane,
+        f"{RESERVATIONS.format(ns=NS)}/squat",
+        lambda o: ((o or {}).get("status") or {}).get("state") in ("placed", "binding"),
+    )
+    assert "claimTemplate" not in placed["status"]
+    kept = await call(plane, "GET", f"{TEMPLATES.format(ns=NS)}/squat")
+    assert "ownerReferences" not in kept["metadata"]
+
     # The pool's api does not switch while the reservation lives.
     await call(
         plane,
