@@ -455,3 +455,27 @@ async def test_the_pool_status_shows_free_and_booked_devices_within_seconds(
     assert pool is not None
     assert pool["status"]["nodesReady"] == 2
     assert pool["status"].get("nextFreeAt") is None  # some are free now
+
+
+async def test_a_dra_pool_where_resource_v1_is_not_served_says_so_and_makes_no_template(
+    kube_api: KubeApi, db: Database, operator: Operator
+):
+    # The stand-in serves no resource.k8s.io (as a cluster before 1.34): discovery says so.
+    await apply_world(kube_api, db, kubernetes={"api": "dra"})
+    pool = await kube_api.wait_for(
+        GPUPOOLS, None, "h100", _condition("DraAvailable", "ResourceApiMissing")
+    )
+    (shown,) = [c for c in pool["status"]["conditions"] if c["type"] == "DraAvailable"]
+    assert shown["status"] == "False"
+    assert "resource.k8s.io/v1" in shown["message"]
+    assert _ready_condition(pool)["status"] == "True"  # the pool itself works
+    await kube_api.create(kubeworld.reservation("train").gpus(2).kubernetes().obj())
+    placed = await kube_api.wait_for(
+        RESERVATIONS,
+        "ml",
+        "train",
+        lambda o: bool(o) and (o.get("status") or {}).get("state") in ("placed", "binding"),
+    )
+    assert "claimTemplate" not in placed["status"]
+    asked = [r.url.path for r in kube_api.emulator if "resourceclaimtemplates" in r.url.path]
+    assert asked == [], "no template is attempted where the API is not served"
