@@ -10,6 +10,11 @@ re-projecting every object at start.
 
 Dirty ids are coalesced: a burst of changes to one reservation is one read and one patch.
 
+Each projection also keeps a ``dra`` pool's Reservation's ResourceClaimTemplate in step with
+the stored state (``claiming.ClaimTemplates.follow``): made once placed, gone once releasing;
+a template write that fails leaves the status written and is tried again after
+``TEMPLATE_RETRY_S`` (no hint may come: a placed reservation can sit unchanged for hours).
+
 Which object a reservation is projected onto comes from the store, not from the object: a
 ``status.id`` is only a hint, since a tenant allowed to write its Reservation's status could
 name another's reservation there and then read that reservation's status on its own object.
@@ -58,6 +63,11 @@ WARNINGS = frozenset(
 
 #: How long a projection the database was away for waits before it is tried again (seconds).
 STORE_RETRY_S = 2.0
+
+#: How long a claim template the API server refused or did not answer waits to be tried again
+#: (seconds): long enough that a lasting refusal (the chart without dra.enabled: no RBAC for
+#: templates) costs one call a reservation every half minute, not a loop.
+TEMPLATE_RETRY_S = 30.0
 
 #: Reservations whose events may wait for their object to be seen (one of another operator's
 #: objects, or one deleted before it was seen, never will be).
@@ -252,8 +262,9 @@ class Projector:
         try:
             return await self.claims.follow(namespace=namespace, name=name, uid=uid, view=view)
         except KubeError as e:
-            # The status is still written; the next projection of it tries the template again.
+            # The status is still written; the template is tried again by a later projection.
             log.warning("could not keep the claim template of %s/%s: %s", namespace, name, e)
+            asyncio.get_running_loop().call_later(TEMPLATE_RETRY_S, self.mark, str(view["id"]))
             return {}
 
     async def refuse(
