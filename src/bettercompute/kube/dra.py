@@ -50,6 +50,9 @@ CAPACITY_MEMORY = "memory"
 #: an object carrying ``MANAGED_BY_LABEL: MANAGED_BY`` by anyone but the operator.
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "bcd-operator"
+#: The one request of a Reservation's ResourceClaimTemplate; a pod's containers list it in
+#: ``resources.claims`` (the operator writes it, ``kubectl bcd get`` shows how to use it).
+CLAIM_REQUEST = "gpus"
 #: A namespace the cluster admin marked may make ``adminAccess`` claims for our driver.
 ADMIN_ACCESS_LABEL = "bcd.dev/dra-admin-access"
 

@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from bettercompute.kube import dra
 from bettercompute.kubectl import specs, times
 
 
@@ -95,6 +96,17 @@ def _devices(spec: Mapping[str, Any]) -> str:
     return f"{joined} on each of {gang} nodes" if gang else joined
 
 
+def _claim_template(name: object) -> str | None:
+    """A dra pool's template, with the two lines a pod needs to get the devices."""
+    if not name:
+        return None
+    request = dra.CLAIM_REQUEST
+    return (
+        f"{name} (pod: spec.resourceClaims [{{name: {request}, resourceClaimTemplateName:"
+        f" {name}}}], container: resources.claims [{{name: {request}}}])"
+    )
+
+
 def reservation(obj: Mapping[str, Any], *, now: dt.datetime) -> RenderableType:
     """One reservation in detail: its fields, then its conditions."""
     status, spec = specs.status_of(obj), obj.get("spec") or {}
@@ -116,6 +128,7 @@ def reservation(obj: Mapping[str, Any], *, now: dt.datetime) -> RenderableType:
         ("End", _when(status.get("endTime"), now=now)),
         ("Lease expires", _when(status.get("leaseExpiresAt"), now=now)),
         ("Resource", status.get("resourceName")),
+        ("Claim template", _claim_template(status.get("claimTemplate"))),
         ("Requested by", (meta.get("annotations") or {}).get("bcd.dev/requested-by")),
     ]
     if extension:

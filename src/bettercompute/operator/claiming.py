@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 API = "resource.k8s.io/v1"
 #: The template's one request; a pod's container lists it in ``resources.claims``.
-REQUEST = "gpus"
+REQUEST = dra.CLAIM_REQUEST
 #: The label naming the Reservation a template belongs to.
 LABEL = names.RESERVATION_LABEL
 #: States in which a reservation's template exists.
