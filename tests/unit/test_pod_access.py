@@ -414,3 +414,22 @@ def test_the_reservation_is_read_only_when_a_rule_needs_it():
         assert podaccess.is_object_name(name)
     for name in ("", "Train", "a/b", "../x", "-a", "x" * 254, None, 3):
         assert not podaccess.is_object_name(name)
+
+
+def test_a_pod_asking_devices_of_a_dra_reservation_is_told_to_use_its_claim_template():
+    """A dra pool advertises no extended resource: without this refusal the pod would wait
+    for bcd.dev/gpu forever. A pod that uses the claim template (no bcd resource) passes."""
+    dra_reservation = podaccess.booked(
+        {
+            "metadata": {"namespace": "ml", "name": "train"},
+            "spec": {"binding": "kubernetes", "devices": [{"class": "gpu", "count": 2}]},
+            "status": {"state": "active", "claimTemplate": "train"},
+        }
+    )
+    problem = check(pod().label("train").container(gpu=2).obj(), dra_reservation)
+    assert problem is not None
+    assert "through Dynamic Resource Allocation" in problem
+    assert "resourceClaimTemplateName: train" in problem
+    with_claim = pod().label("train").container(cpu=1).obj()
+    with_claim["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "train"}]
+    assert check(with_claim, dra_reservation) is None

@@ -66,6 +66,8 @@ class Booked:
     resource_name: str | None
     #: Devices held on each node of the reservation, by class (a gang member holds the same).
     per_node: Mapping[str, int]
+    #: ``status.claimTemplate``: a reservation of a ``dra`` pool reaches pods through it.
+    claim_template: str | None = None
 
     @property
     def held(self) -> int:
@@ -111,6 +113,7 @@ def booked(body: Mapping[str, Any]) -> Booked:
         binding=str(spec.get("binding") or "hold"),
         resource_name=str(resource_name) if resource_name else None,
         per_node=per_node,
+        claim_template=str(status["claimTemplate"]) if status.get("claimTemplate") else None,
     )
 
 
@@ -364,6 +367,16 @@ def _create_refusal(
     problem = _reservation_problem(reservation, label=label, namespace=namespace)
     if problem is not None or reservation is None:
         return problem
+    if reservation.claim_template is not None and wanted:
+        # A dra pool advertises no extended resource: the pod would wait forever, unexplained.
+        where = next(a.where for a in found if a.counts)
+        return (
+            f"{where}: asks {', '.join(sorted(wanted))}, but Reservation {label!r} hands its "
+            "devices to pods through Dynamic Resource Allocation: list its ResourceClaimTemplate "
+            f"in spec.resourceClaims (resourceClaimTemplateName: "
+            f"{reservation.claim_template}) and name that claim in the container's "
+            "resources.claims instead"
+        )
     return _fit_problem(reservation, wanted, found)
 
 
