@@ -33,6 +33,7 @@ import grpc
 
 from bettercompute.deviceplugin import draserving
 from bettercompute.deviceplugin.draserving import DraServer
+from bettercompute.deviceplugin.serving import socket_replaced
 from bettercompute.kube import dra
 from bettercompute.proto.pluginregistration.v1 import api_pb2, api_pb2_grpc
 
@@ -144,9 +145,4 @@ class DraRegistrar:
             await server.stop(grace=None)
 
     def _registration_gone(self) -> bool:
-        if self._registration is None:
-            return True
-        try:
-            return os.stat(self.path).st_ino != self._inode
-        except FileNotFoundError:
-            return True
+        return self._registration is None or socket_replaced(self.path, self._inode)

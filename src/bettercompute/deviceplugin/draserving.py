@@ -48,6 +48,7 @@ from bettercompute.deviceplugin.draclaims import (
     PreparedClaims,
     Refusal,
 )
+from bettercompute.deviceplugin.serving import socket_replaced
 from bettercompute.kube import dra, resources
 from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.proto.dra.v1 import api_pb2 as v1_pb2
@@ -306,9 +307,4 @@ class DraServer:
 
     def socket_gone(self) -> bool:
         """Whether our socket file was removed or replaced since we started serving."""
-        if self._server is None:
-            return True
-        try:
-            return os.stat(self.path).st_ino != self._inode
-        except FileNotFoundError:
-            return True
+        return self._server is None or socket_replaced(self.path, self._inode)

@@ -383,9 +383,13 @@ class PluginServer:
 
     def socket_gone(self) -> bool:
         """Whether our socket file was removed or replaced since we started serving."""
-        if self._server is None:
-            return True
-        try:
-            return os.stat(self.socket_path).st_ino != self._inode
-        except FileNotFoundError:
-            return True
+        return self._server is None or socket_replaced(self.socket_path, self._inode)
+
+
+def socket_replaced(path: str | os.PathLike[str], inode: int | None) -> bool:
+    """Whether the socket we made at ``path`` (its ``inode``) was removed or replaced: the
+    kubelet deletes plugin sockets when it restarts, and a new server must then be made."""
+    try:
+        return os.stat(path).st_ino != inode
+    except FileNotFoundError:
+        return True
