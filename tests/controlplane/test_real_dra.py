@@ -29,7 +29,7 @@ from bettercompute.kube import dra
 from bettercompute.operator.running import Operator
 from bettercompute.store.database import Database
 from tests.controlplane import install
-from tests.controlplane.cluster import ApiError
+from tests.controlplane.cluster import ApiError, ControlPlane
 from tests.controlplane.plugin import Cluster
 from tests.controlplane.scenarios import (
     RESERVATIONS,
@@ -152,6 +152,14 @@ def bcd_cdi(devices: Any) -> list[str]:
     return sorted(i for i in ids if not i.startswith("bcd.dev/gpu=claim-"))
 
 
+async def dra_tenancy(plane: ControlPlane) -> None:
+    """Tenant acme's namespace (alice may manage its Reservations and Pods), its quota, and
+    the dra pool ``h100`` (nodes join it by their labels)."""
+    await tenant_namespace(plane, NS, tenant="acme", user=ALICE)
+    await asyncio.to_thread(plane.apply, kubeworld.gpuquota("acme", {"gpu:H100": 64}))
+    await asyncio.to_thread(plane.apply, dra_pool("h100"))
+
+
 async def force_delete_pod(cluster: Cluster, namespace: str, name: str) -> None:
     # Bound to a node whose kubelet never confirms: only a forced delete ends it.
     with contextlib.suppress(ApiError):
@@ -171,9 +179,7 @@ async def test_a_dra_reservation_reaches_its_pod_through_the_real_scheduler(
     plane = cluster.plane
     alice = plane.tokens[ALICE]
     rsv = f"{RESERVATIONS.format(ns=NS)}/train"
-    await tenant_namespace(plane, NS, tenant="acme", user=ALICE)
-    await asyncio.to_thread(plane.apply, kubeworld.gpuquota("acme", {"gpu:H100": 64}))
-    await asyncio.to_thread(plane.apply, dra_pool("h100"))
+    await dra_tenancy(plane)
     token = await agent_token(cluster, nodes[NODE])
 
     async with start_real_operator():
@@ -320,9 +326,7 @@ async def test_attack_another_namespaces_claim_that_got_through_is_refused_at_pr
     The node is the second wall: it refuses to prepare the claim, so no container gets them."""
     plane = cluster.plane
     alice = plane.tokens[ALICE]
-    await tenant_namespace(plane, NS, tenant="acme", user=ALICE)
-    await asyncio.to_thread(plane.apply, kubeworld.gpuquota("acme", {"gpu:H100": 64}))
-    await asyncio.to_thread(plane.apply, dra_pool("h100"))
+    await dra_tenancy(plane)
     await asyncio.to_thread(
         plane.apply, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OTHER_NS}}
     )
@@ -411,9 +415,7 @@ async def test_attack_a_forged_report_for_a_dra_allocation_activates_nothing(
     reservation does not become active, and no claim template hands devices to a pod."""
     plane = cluster.plane
     alice = plane.tokens[ALICE]
-    await tenant_namespace(plane, NS, tenant="acme", user=ALICE)
-    await asyncio.to_thread(plane.apply, kubeworld.gpuquota("acme", {"gpu:H100": 64}))
-    await asyncio.to_thread(plane.apply, dra_pool("h100"))
+    await dra_tenancy(plane)
     await asyncio.to_thread(plane.apply, kubeworld.gpunode("h100-node-0", pool="h100"))
     await call(
         plane,
