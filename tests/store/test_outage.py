@@ -17,6 +17,7 @@ import datetime as dt
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -187,16 +188,23 @@ def assert_unavailable(response: httpx.Response, seconds: float, *, slack: float
 
 
 class LoopStalls:
-    """The longest time this test's event loop could not run anything.
+    """The longest time this test's event loop could not run anything, and the longest a plain
+    thread of this process could not (``starved``).
 
     Client, server, reconciler and PostgreSQL's restart share one loop and a small machine: a
     stall of the loop delays the client's reading of an answer the server already sent, which
     a client of its own would not see. Only that stall is forgiven, never the server's time.
+    A thread beside the loop tells the two causes apart: a call that blocks the loop (a
+    synchronous read, a sleep) lets the thread run on, while a machine too busy to schedule
+    this process stalls both alike.
     """
 
     def __init__(self) -> None:
         self.longest = 0.0
+        self.starved = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="loop-stalls", daemon=True)
 
     async def _watch(self) -> None:
         while True:
@@ -204,13 +212,28 @@ class LoopStalls:
             await asyncio.sleep(0.01)
             self.longest = max(self.longest, time.monotonic() - began - 0.01)
 
+    def _tick(self) -> None:
+        while True:
+            began = time.monotonic()
+            if self._stop.wait(0.01):
+                return
+            self.starved = max(self.starved, time.monotonic() - began - 0.01)
+
+    @property
+    def blocked(self) -> float:
+        """How much longer the loop stalled than the machine starved the whole process."""
+        return max(0.0, self.longest - self.starved)
+
     def __enter__(self) -> LoopStalls:
         self._task = asyncio.get_running_loop().create_task(self._watch())
+        self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         assert self._task is not None
         self._task.cancel()
+        self._stop.set()
+        self._thread.join()
 
 
 async def assert_not_ready(stack: Stack) -> None:
@@ -328,8 +351,12 @@ async def test_a_one_second_blip_under_load(stack: Stack) -> None:
         finally:
             stop.set()
             await asyncio.gather(*clients)
-    # On a quiet machine the stalls are milliseconds; a second would hide a real breach.
-    assert stalls.longest < 1.0, f"the test's loop stalled {stalls.longest:.2f} s"
+    # On a quiet machine the stalls are milliseconds; a second of the loop's own would hide a
+    # real breach. A busy machine that starves the whole process (a CI runner with its other
+    # core taken) is not the loop's doing: that part is told apart and forgiven.
+    assert stalls.blocked < 1.0, (
+        f"the test's loop stalled {stalls.longest:.2f} s, the process {stalls.starved:.2f} s"
+    )
     statuses = {response.status_code for _, response, _ in answers}
     assert 503 in statuses, statuses
     assert 200 in statuses, statuses
