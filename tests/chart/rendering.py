@@ -43,6 +43,12 @@ FOREIGN = frozenset(
         ("cert-manager.io/v1", "Issuer"),
         ("cert-manager.io/v1", "Certificate"),
         ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        # Kueue's (examples/kueue-queues.yaml): sent with dryRun=All to the real API server
+        # serving Kueue's own CRDs (tests/controlplane/test_real_kueue.py).
+        ("kueue.x-k8s.io/v1beta1", "AdmissionCheck"),
+        ("kueue.x-k8s.io/v1beta1", "ResourceFlavor"),
+        ("kueue.x-k8s.io/v1beta1", "ClusterQueue"),
+        ("kueue.x-k8s.io/v1beta1", "LocalQueue"),
     }
 )
 

@@ -32,6 +32,8 @@ What is measured:
 * ``bettercompute_work_queue_lag_seconds{lane}`` and ``bettercompute_outbox_lag_seconds
   {subscriber}``: how long the oldest due wake-up of a lane, and the oldest event a subscriber
   has not handled, have waited; read the same way (the reconciler and outbox alerts).
+* ``bettercompute_kueue_admission_checks{state}``: told by the operator, 1 for the state of its
+  Kueue AdmissionCheck controller (``running``, ``disabled``, ``kueue-missing``).
 * ``bettercompute_database_up``: 0 when that read failed (the other figures are then stale).
 * ``bettercompute_webhook_certificate_expiry_timestamp_seconds``: told by the operator, which
   serves the admission webhook; absent (never 0) where no certificate is known.
@@ -187,6 +189,13 @@ class Metrics:
             "1 when the scrape-time read of the database succeeded, else 0.",
             registry=self.registry,
         )
+        self.kueue_checks = Gauge(
+            "bettercompute_kueue_admission_checks",
+            "1 for the state of the operator's Kueue AdmissionCheck controller: running, "
+            "disabled, or kueue-missing (enabled, but the API server serves no Kueue v1beta1).",
+            ["state"],
+            registry=self.registry,
+        )
 
     def observe(self, *, route: str, operation: str | None, outcome: str, seconds: float) -> None:
         self.latency.labels(route=route).observe(seconds)
@@ -233,6 +242,12 @@ class Metrics:
         """When the webhook's certificate expires: a time, or a function read at each scrape
         (``None`` from it: not known now, and the series is absent)."""
         self.certificate_expiry.expires = epoch_s
+
+    def kueue_checks_state(self, state: str) -> None:
+        """The operator's Kueue AdmissionCheck controller is ``state`` (its series 1, the
+        other states' absent)."""
+        self.kueue_checks.clear()
+        self.kueue_checks.labels(state=state).set(1)
 
     def database_down(self) -> None:
         self.database_up.set(0)

@@ -97,3 +97,8 @@ class OperatorConfig:
     #: host names (``core.egress``); loopback, private and link-local addresses are refused
     #: unless listed here, the cloud metadata addresses always.
     event_webhook_allow: tuple[str, ...] = ()
+    #: Run the Kueue AdmissionCheck controller (``bcd.dev/reservation``) when the API server
+    #: serves Kueue's ``v1beta1``; off, or Kueue absent: nothing of Kueue is watched.
+    kueue_admission_check: bool = False
+    #: How often every Workload with one of our checks is evaluated again without a hint.
+    kueue_resync_s: float = 10.0

@@ -33,6 +33,7 @@ from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import (
     claiming,
     definitions,
+    kueuesyncing,
     podaccess,
     podowners,
     quotas,
@@ -98,10 +99,12 @@ async def _admitting(runtime: Runtime) -> AsyncIterator[None]:
 
 
 def make_registry(
-    *, node_certificates: bool = True, pool_status_s: float = 5.0
+    *, node_certificates: bool = True, pool_status_s: float = 5.0, kueue_checks: bool = False
 ) -> kopf.OperatorRegistry:
     """Every handler; ``node_certificates`` False leaves out the signer of node certificates
-    (a cluster that does not grant the operator CertificateSigningRequests)."""
+    (a cluster that does not grant the operator CertificateSigningRequests); ``kueue_checks``
+    adds the watches that wake the Kueue AdmissionCheck controller (only where the API server
+    serves Kueue: kopf must not watch a resource that does not exist)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -373,6 +376,11 @@ def make_registry(
     if node_certificates:
         _node_certificate_handlers(registry)
 
+    # --- Kueue AdmissionChecks ---------------------------------------------------------------
+
+    if kueue_checks:
+        _kueue_handlers(registry)
+
     # --- DeviceAllocations: the nodes' reports ------------------------------------------------
 
     @kopf.on.event(*DEVICE_ALLOCATIONS, registry=registry)
@@ -404,6 +412,16 @@ def _node_certificate_handlers(registry: kopf.OperatorRegistry) -> None:
             await signer.node_deleted(name)
         else:
             await signer.node_annotated(name, annotations)
+
+
+def _kueue_handlers(registry: kopf.OperatorRegistry) -> None:
+    # Hints only: the controller reads everything again on each pass (``kueuesyncing``).
+    @kopf.on.event(*kueuesyncing.KOPF_WORKLOADS, registry=registry)
+    @kopf.on.event(*kueuesyncing.KOPF_ADMISSION_CHECKS, registry=registry)
+    def kueue_object_seen(memo: Any, **_: Any) -> None:
+        checks = _runtime(memo).kueue
+        if checks is not None:
+            checks.wake()
 
 
 def _subscriptions(memo: Any) -> subscribing.SubscriptionDoor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from bettercompute.core import answers
 from bettercompute.operator import podaccess
 from bettercompute.service.owners import ReservationOwners
 from bettercompute.service.reservations import ReservationService
@@ -40,19 +41,9 @@ class PodOwners:
         holds for it: its own request, state and resource name once the operator admitted it
         for this object, else as not admitted (no state, no resource name)."""
         meta = body.get("metadata") or {}
-        hint = (body.get("status") or {}).get("id")
-        unverified = podaccess.booked({"metadata": meta, "spec": body.get("spec") or {}})
-        if not isinstance(hint, str) or not hint:
-            return unverified
-        mine = await self.owners.owns(
-            hint,
-            object_uid=str(meta.get("uid")),
-            namespace=str(meta.get("namespace")),
-            name=str(meta.get("name")),
-        )
-        view = await self.service.snapshot(hint) if mine else None
+        view = await self.view(body)
         if view is None:
-            return unverified
+            return podaccess.booked({"metadata": meta, "spec": body.get("spec") or {}})
         return podaccess.booked(
             {
                 "metadata": meta,
@@ -60,6 +51,21 @@ class PodOwners:
                 "status": {"state": view["state"], "resourceName": view.get("resourceName")},
             }
         )
+
+    async def view(self, body: Mapping[str, Any]) -> answers.Reservation | None:
+        """The store's reservation of the Reservation object ``body``, only when the store's
+        claim names this very object (namespace, name and uid); else ``None``."""
+        meta = body.get("metadata") or {}
+        hint = (body.get("status") or {}).get("id")
+        if not isinstance(hint, str) or not hint:
+            return None
+        mine = await self.owners.owns(
+            hint,
+            object_uid=str(meta.get("uid")),
+            namespace=str(meta.get("namespace")),
+            name=str(meta.get("name")),
+        )
+        return await self.service.snapshot(hint) if mine else None
 
     async def owners_of(
         self, resources: Iterable[str], *, known: podaccess.Booked | None

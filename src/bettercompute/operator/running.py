@@ -54,6 +54,8 @@ from bettercompute.operator import (
     certificates,
     claiming,
     handlers,
+    kueuechecks,
+    kueuesyncing,
     nodeca,
     nodecerts,
     webhookcerts,
@@ -290,9 +292,13 @@ async def started(
             ),
         )
 
+        kueue_state = await _kueue_checks(config, runtime)
+
         def changed(rid: str) -> None:
             projector.mark(rid)
             allocations.mark_reservation(rid)
+            if runtime.kueue is not None:
+                runtime.kueue.wake()
 
         async def listen(_: Any) -> None:
             await backing.reservation_changes(db, changed)
@@ -310,6 +316,8 @@ async def started(
         tasks.append(supervising.restarting(events.run, name="events"))
         delivery = WebhookDelivery(db, egress=egress)
         tasks.append(supervising.restarting(delivery.run, name="webhooks"))
+        if runtime.kueue is not None:
+            tasks.append(supervising.restarting(runtime.kueue.run, name="kueue-checks"))
         kept: webhookcerts.WebhookCertificates | None = None
         if config.webhook_port is not None and config.webhook_cert and config.webhook_key:
             # Ends on purpose, so that the process restarts with the new certificate.
@@ -364,6 +372,7 @@ async def started(
             ),
             ready=is_ready,
         )
+        app[METRICS].kueue_checks_state(kueue_state)
         if config.webhook_cert:
             # Read once: a renewed certificate restarts the process (exit_when_renewed).
             expires = certificates.expiry(Path(config.webhook_cert))
@@ -450,6 +459,34 @@ async def node_attestation(kube: KubeClient, config: OperatorConfig) -> Attestat
     )
 
 
+async def _kueue_checks(config: OperatorConfig, runtime: Runtime) -> str:
+    """Start the Kueue AdmissionCheck controller when asked and Kueue is served; its state
+    (the metric's): ``running``, ``disabled`` or ``kueue-missing``. Never a failed start: a
+    cluster without Kueue runs everything else."""
+    if not config.kueue_admission_check:
+        return "disabled"
+    try:
+        served = await kueuesyncing.kueue_served(runtime.kube)
+    except KubeError as e:
+        log.warning("Kueue admission checks are off: asking for Kueue's API failed: %s", e)
+        return "kueue-missing"
+    if not served:
+        log.warning(
+            "Kueue admission checks are off: the API server serves no kueue.x-k8s.io/v1beta1 "
+            "AdmissionChecks (install Kueue, then restart the operator)"
+        )
+        return "kueue-missing"
+    runtime.kueue = kueuesyncing.KueueChecks(
+        kube=runtime.kube,
+        service=runtime.service,
+        nodes=runtime.nodes,
+        clock=runtime.projector.clock,
+        resync_s=config.kueue_resync_s,
+    )
+    log.info("Kueue admission checks are on (controllerName %s)", kueuechecks.CONTROLLER_NAME)
+    return "running"
+
+
 async def _run_kopf(
     *,
     config: OperatorConfig,
@@ -461,7 +498,9 @@ async def _run_kopf(
 ) -> None:
     tasks = await kopf.spawn_tasks(
         registry=handlers.make_registry(
-            node_certificates=config.node_certificates, pool_status_s=config.pool_status_s
+            node_certificates=config.node_certificates,
+            pool_status_s=config.pool_status_s,
+            kueue_checks=runtime.kueue is not None,
         ),
         settings=kopf_settings(config, certificates_kept=certificates_kept),
         clusterwide=True,
@@ -657,6 +696,14 @@ def run(
             "and revoke them with their GPUNode.",
         ),
     ] = True,
+    kueue_admission_check: Annotated[
+        bool,
+        typer.Option(
+            envvar="BCD_KUEUE_ADMISSION_CHECK",
+            help="Run the Kueue AdmissionCheck controller (controllerName bcd.dev/reservation) "
+            "when the API server serves Kueue's v1beta1; without Kueue it stays off.",
+        ),
+    ] = False,
     node_ca_secret: Annotated[
         str,
         typer.Option(
@@ -733,6 +780,7 @@ def run(
         node_ca_secret=node_ca_secret,
         node_ca_create=node_ca_create,
         node_certificates=node_certificates,
+        kueue_admission_check=kueue_admission_check,
         pool_status_s=pool_status_s,
         event_webhook_allow=tuple(event_webhook_allow or ()),
     )

@@ -20,6 +20,7 @@ from bettercompute.kube.client import KubeClient
 from bettercompute.operator.allocating import AllocationSync
 from bettercompute.operator.claiming import ClaimTemplates
 from bettercompute.operator.config import OperatorConfig
+from bettercompute.operator.kueuesyncing import KueueChecks
 from bettercompute.operator.nodecerts import NodeSigner
 from bettercompute.operator.projecting import Objects, Projector
 from bettercompute.operator.reserving import ReservationDoor
@@ -49,6 +50,8 @@ class Runtime:
     door: ReservationDoor
     #: Answers node certificate requests and revokes node certificates.
     signer: NodeSigner
+    #: The Kueue AdmissionCheck controller, when on and Kueue is served (else ``None``).
+    kueue: KueueChecks | None = None
     #: The last NodeSpec written per node: a GPUNode heartbeat that changes nothing the placer
     #: reads must not bump the pool's inventory version (and empty the placement cache).
     applied_nodes: dict[str, NodeSpec] = field(default_factory=dict)

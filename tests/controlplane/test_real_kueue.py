@@ -1,0 +1,331 @@
+"""Our Kueue AdmissionCheck controller on the real control plane, with Kueue's own CRDs.
+
+Kueue's controller manager is not run here (``docs/kueue.md``, "Real Kueue", says why): the
+tests play Kueue. As the admin they create the AdmissionCheck, ClusterQueue and LocalQueue,
+the Job a user writes, and the Workload Kueue makes for it, and write the ``Pending`` entries
+Kueue's workload controller adds; then they assert only what our operator writes: the check's
+state, message and ``podSetUpdates``, the AdmissionCheck's ``Active`` condition, and that the
+entry of another controller's check is never touched.
+
+The reservation becomes active the real way: the node agent, under the chart's account, binds
+the operator's DeviceAllocation (``test_real_node_agent.py``'s helpers).
+
+Attack: tenant globex's Workload naming tenant acme's Reservation never gets ``Ready`` (it
+would with the namespace check of ``kueuechecks.decide`` removed: ``own`` = ``candidates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from bettercompute.operator.running import Operator
+from tests.chart import rendering
+from tests.controlplane import install
+from tests.controlplane import kueue as kq
+from tests.controlplane.cluster import ApiError, ControlPlane
+from tests.controlplane.plugin import Cluster
+from tests.controlplane.scenarios import (
+    RESERVATIONS,
+    call,
+    pool_with_nodes,
+    reservation,
+    state_is,
+    tenant_namespace,
+    wait_for,
+)
+from tests.controlplane.test_real_node_agent import (  # noqa: F401 - fixtures used by name
+    agent_running,
+    agent_token,
+    nodes,
+    standing,
+    tenant,
+)
+from tests.deviceplugin.conftest import NODE, Node
+
+MERGE = {"content_type": "application/merge-patch+json"}
+CHECK = "bcd-reservation"
+#: Another controller's check on the same ClusterQueue: its entry must stay as Kueue wrote it.
+OTHER_CHECK = "provisioning"
+ON = {"kueue": {"admissionCheck": {"enabled": True}}}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def workloads(ns: str) -> str:
+    return f"{kq.PREFIX}/namespaces/{ns}/workloads"
+
+
+@pytest.fixture(scope="module")
+def kueue_crds(control_plane: ControlPlane, chart: install.Installed) -> Iterator[None]:
+    """Kueue's CRDs installed, and the chart installed again with ``kueue.admissionCheck``
+    on (its operator RBAC for Kueue); both undone after the module."""
+    try:
+        definitions = kq.crds()
+    except kq.KueueUnavailable as e:
+        pytest.skip(f"Kueue's CRDs are not available: {e}")
+    install.install_crds(control_plane, definitions)
+    install.install(control_plane, webhook_port=chart.webhook_port, values=ON)
+    yield
+    install.install(control_plane, webhook_port=chart.webhook_port)
+    for crd in definitions:
+        with contextlib.suppress(ApiError):
+            control_plane.request(
+                "DELETE",
+                f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
+            )
+
+
+def _check(obj: dict[str, Any] | None, name: str = CHECK) -> dict[str, Any]:
+    for entry in ((obj or {}).get("status") or {}).get("admissionChecks") or ():
+        if entry["name"] == name:
+            return dict(entry)
+    return {}
+
+
+def check_is(state: str, name: str = CHECK) -> Callable[[dict[str, Any] | None], bool]:
+    return lambda o: _check(o, name).get("state") == state
+
+
+def check_says(state: str, text: str) -> Callable[[dict[str, Any] | None], bool]:
+    """Our controller wrote ``state`` with ``text`` in its message (Kueue's own Pending has
+    an empty message)."""
+    return lambda o: check_is(state)(o) and text in _check(o).get("message", "")
+
+
+async def queues(plane: ControlPlane, namespaces: tuple[str, ...]) -> None:
+    """What an admin sets up for Kueue: our check, another controller's, a flavor, a
+    ClusterQueue listing both checks and counting bcd.dev/gpu, a LocalQueue per namespace."""
+    for obj in (
+        kq.admission_check(CHECK),
+        kq.admission_check(OTHER_CHECK, controller="kueue.x-k8s.io/provisioning-request"),
+        kq.resource_flavor(),
+        kq.cluster_queue("gpus", checks=[CHECK, OTHER_CHECK]),
+        *(kq.local_queue(ns, "team", cluster_queue="gpus") for ns in namespaces),
+    ):
+        await call(plane, "POST", kq.collection(obj), obj)
+
+
+async def submitted(plane: ControlPlane, workload: dict[str, Any]) -> str:
+    """Create the Workload and add its ClusterQueue's checks as Pending, as Kueue does; its
+    path."""
+    meta = workload["metadata"]
+    await call(plane, "POST", workloads(meta["namespace"]), workload)
+    path = f"{workloads(meta['namespace'])}/{meta['name']}"
+    await call(
+        plane,
+        "PATCH",
+        f"{path}/status",
+        kq.pending_checks([CHECK, OTHER_CHECK], now=_now()),
+        **MERGE,
+    )
+    return path
+
+
+async def cleanup_kueue(plane: ControlPlane) -> None:
+    for plural in ("clusterqueues", "admissionchecks", "resourceflavors"):
+        listed = await asyncio.to_thread(plane.get, f"{kq.PREFIX}/{plural}")
+        for obj in (listed or {"items": []})["items"]:
+            path = f"{kq.PREFIX}/{plural}/{obj['metadata']['name']}"
+            with contextlib.suppress(ApiError):
+                await call(plane, "PATCH", path, {"metadata": {"finalizers": None}}, **MERGE)
+                await call(plane, "DELETE", path)
+
+
+async def metric(op: Operator) -> str:
+    async with httpx.AsyncClient(base_url=op.metrics_url, timeout=5.0) as scraper:
+        answer = await scraper.get("/metrics")
+    return answer.text
+
+
+# --- without Kueue ---------------------------------------------------------------------------
+
+
+async def test_without_kueues_crds_the_controller_is_off_and_the_rest_works(
+    cluster: Cluster, start_real_operator: Callable[..., Any]
+) -> None:
+    """Asked for, on a cluster without Kueue: a log line and the metric, never a failed
+    start; Reservations are admitted as ever. (First in the module: before ``kueue_crds``.)"""
+    plane = cluster.plane
+    served = await asyncio.to_thread(plane.get, f"/apis/{kq.API}")
+    assert served is None, "Kueue's CRDs are installed: this test must run before kueue_crds"
+    await tenant_namespace(plane, "ml", tenant="acme", user="alice@acme")
+    async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5) as op:
+        await pool_with_nodes(plane)
+        assert op.runtime.kueue is None
+        assert 'bettercompute_kueue_admission_checks{state="kueue-missing"} 1.0' in (
+            await metric(op)
+        )
+        body = reservation("train", "ml", gpus=1, binding="kubernetes")
+        await call(plane, "POST", RESERVATIONS.format(ns="ml"), body, token=tenant(cluster))
+        await wait_for(
+            plane, f"{RESERVATIONS.format(ns='ml')}/train", state_is("placed", "binding")
+        )
+
+
+# --- with Kueue's CRDs -------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("kueue_crds")
+async def test_the_kueue_examples_are_accepted_by_the_api_server(cluster: Cluster) -> None:
+    """examples/kueue-*.yaml, sent with dryRun=All: Kueue's schema and CEL rules, and ours."""
+    plane = cluster.plane
+    await tenant_namespace(plane, "ml", tenant="acme", user="alice@acme")
+    sent = set()
+    for name, obj in rendering.load_examples():
+        if not name.startswith("kueue-"):
+            continue
+        if obj["apiVersion"] == kq.API:
+            path = kq.collection(obj)
+        elif obj["kind"] == "Job":
+            path = f"/apis/batch/v1/namespaces/{obj['metadata']['namespace']}/jobs"
+        else:
+            continue  # the Reservation: its webhook needs an operator (test_examples.py)
+        await call(plane, "POST", f"{path}?dryRun=All", obj)
+        sent.add(obj["kind"])
+    assert sent == {"AdmissionCheck", "ResourceFlavor", "ClusterQueue", "LocalQueue", "Job"}
+
+
+@pytest.mark.usefixtures("kueue_crds")
+async def test_a_kueue_workload_runs_in_its_reservation(
+    cluster: Cluster,
+    start_real_operator: Callable[..., Any],
+    nodes: dict[str, dict[str, Any]],  # noqa: F811 - the fixture imported above
+    standing: Node,  # noqa: F811
+) -> None:
+    plane = cluster.plane
+    alice = tenant(cluster)
+    await tenant_namespace(plane, "ml", tenant="acme", user="alice@acme")
+    await tenant_namespace(plane, "team-b", tenant="globex", user="mallory@globex")
+    await queues(plane, ("ml", "team-b"))
+    rsv = f"{RESERVATIONS.format(ns='ml')}/train"
+    try:
+        async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5) as op:
+            await pool_with_nodes(plane, nodes=0, tenants=("acme", "globex"))
+            assert 'bettercompute_kueue_admission_checks{state="running"} 1.0' in (await metric(op))
+            # Our AdmissionCheck is marked Active (Kueue admits nothing through an inactive
+            # one); the other controller's is not ours to mark.
+            ours = await wait_for(
+                plane,
+                f"{kq.PREFIX}/admissionchecks/{CHECK}",
+                lambda o: any(
+                    c["type"] == "Active" and c["status"] == "True"
+                    for c in ((o or {}).get("status") or {}).get("conditions") or ()
+                ),
+            )
+            assert ours is not None
+            other = await asyncio.to_thread(plane.get, f"{kq.PREFIX}/admissionchecks/{OTHER_CHECK}")
+            assert not (other.get("status") or {}).get("conditions")
+
+            # The reservation, before any node: pending.
+            body = reservation("train", "ml", gpus=2, binding="kubernetes")
+            await call(plane, "POST", RESERVATIONS.format(ns="ml"), body, token=alice)
+            await wait_for(plane, rsv, state_is("pending"))
+
+            # alice's Job names it in an annotation; Kueue's Workload does not carry it (only
+            # labels in labelKeysToCopy are copied): our controller reads the owner Job.
+            job = await call(
+                plane,
+                "POST",
+                "/apis/batch/v1/namespaces/ml/jobs",
+                kq.job("ml", "trainer", gpus=2, annotations={"bcd.dev/reservation": "train"}),
+            )
+            fits = await submitted(plane, kq.workload("ml", "job-trainer", gpus=2, owner=job))
+            pending = await wait_for(plane, fits, check_says("Pending", "'train' is pending"))
+            assert "it has no window yet" in _check(pending)["message"]
+            assert "podSetUpdates" not in _check(pending)
+            # Too big for the reservation (3 per pod, it holds 2 per node): never fits.
+            big = await submitted(
+                plane,
+                kq.workload(
+                    "ml", "too-big", gpus=3, template_labels={"bcd.dev/reservation": "train"}
+                ),
+            )
+            rejected = await wait_for(plane, big, check_is("Rejected"))
+            assert "asks 3 bcd.dev/gpu per pod" in _check(rejected)["message"]
+            # ATTACK: globex's Workload names acme's Reservation by its name.
+            stolen = await submitted(
+                plane,
+                kq.workload("team-b", "steal", gpus=1, labels={"bcd.dev/reservation": "train"}),
+            )
+            refused = await wait_for(plane, stolen, check_is("Rejected"))
+            assert "not in namespace 'team-b'" in _check(refused)["message"]
+            missing = await submitted(
+                plane,
+                kq.workload("ml", "typo", gpus=1, labels={"bcd.dev/reservation": "trian"}),
+            )
+            gone = await wait_for(plane, missing, check_is("Rejected"))
+            assert "'trian' does not exist in namespace 'ml'" in _check(gone)["message"]
+
+            # The node agent joins, binds the DeviceAllocation: active, and the check Ready
+            # with the label our pod webhooks read and the reservation's node.
+            token = await agent_token(cluster, nodes[NODE])
+            async with agent_running(cluster, standing, token):
+                await wait_for(plane, rsv, state_is("active"), timeout_s=60)
+                ready = await wait_for(plane, fits, check_is("Ready"), timeout_s=30)
+                assert ready is not None
+                entry = _check(ready)
+                assert "Reservation 'train' is active until" in entry["message"]
+                assert entry["podSetUpdates"] == [
+                    {
+                        "name": "main",
+                        "labels": {"bcd.dev/reservation": "train"},
+                        "nodeSelector": {"kubernetes.io/hostname": NODE},
+                    }
+                ]
+                # Another controller's entry: exactly as Kueue wrote it.
+                assert _check(ready, OTHER_CHECK)["state"] == "Pending"
+                assert _check(ready, OTHER_CHECK)["message"] == ""
+                # The attacker's stays Rejected now that the reservation is active.
+                assert check_is("Rejected")(await asyncio.to_thread(plane.get, stolen))
+
+                # A pod made from the updates (as Kueue starts the job) is rewritten by our
+                # pod webhook to the reservation's own devices.
+                active = await asyncio.to_thread(plane.get, rsv)
+                template = kq.pod_template(gpus=2, labels=entry["podSetUpdates"][0]["labels"])
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "trainer-0", **template["metadata"]},
+                    "spec": {
+                        **template["spec"],
+                        "nodeSelector": entry["podSetUpdates"][0]["nodeSelector"],
+                    },
+                }
+                made = await call(plane, "POST", "/api/v1/namespaces/ml/pods", pod, token=alice)
+                requests = made["spec"]["containers"][0]["resources"]["requests"]
+                assert requests == {active["status"]["resourceName"]: "2"}
+                await call(
+                    plane, "DELETE", "/api/v1/namespaces/ml/pods/trainer-0?gracePeriodSeconds=0"
+                )
+                ready_since = entry["lastTransitionTime"]
+
+        # Operator restart: a Workload submitted while it was away gets its answer, the ready
+        # one keeps its entry unchanged (no new transition).
+        later = await submitted(
+            plane,
+            kq.workload("ml", "later", gpus=1, template_labels={"bcd.dev/reservation": "train"}),
+        )
+        async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5):
+            await wait_for(plane, later, check_is("Ready"), timeout_s=30)
+            again = await asyncio.to_thread(plane.get, fits)
+            assert _check(again)["state"] == "Ready"
+            assert _check(again)["lastTransitionTime"] == ready_since
+
+            # Released by alice: the check is Rejected, saying why (Kueue then evicts it).
+            await call(plane, "PATCH", rsv, {"spec": {"release": True}}, token=alice, **MERGE)
+            released = await wait_for(plane, fits, check_is("Rejected"), timeout_s=30)
+            message = _check(released)["message"]
+            assert "Reservation 'train' is releas" in message
+            assert "it holds no devices any more" in message
+            assert "podSetUpdates" not in _check(released)
+    finally:
+        await cleanup_kueue(plane)
