@@ -15,6 +15,7 @@ writes is what the tests assert).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 import subprocess
@@ -22,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from bettercompute.operator import kueuechecks
 
@@ -219,3 +224,67 @@ def pending_checks(names: list[str], *, now: str) -> dict[str, Any]:
             ]
         }
     }
+
+
+# --- Kueue's controller manager ------------------------------------------------------------------
+
+#: Kueue's namespace, and the Secret its certificate rotator keeps its webhook certificate in.
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
+
+
+def manager_config(*, cert_dir: Path, webhook_port: int) -> str:
+    """Kueue's Configuration for the tests (``docs/kueue.md``, "Real Kueue"): no leader
+    election, batch/v1 Jobs only, its certificate rotator on (with it off, Kueue reads a metrics
+    certificate from a fixed path under /etc), metrics and probes on no port we need."""
+    return "\n".join(
+        [
+            "apiVersion: config.kueue.x-k8s.io/v1beta1",
+            "kind: Configuration",
+            f"namespace: {KUEUE_NAMESPACE}",
+            "health:",
+            '  healthProbeBindAddress: "127.0.0.1:0"',
+            "metrics:",
+            '  bindAddress: "0"',
+            "webhook:",
+            "  host: 127.0.0.1",
+            f"  port: {webhook_port}",
+            f"  certDir: {cert_dir}",
+            "leaderElection:",
+            "  leaderElect: false",
+            "internalCertManagement:",
+            "  enable: true",
+            "integrations:",
+            '  frameworks: ["batch/job"]',
+            "",
+        ]
+    )
+
+
+def write_webhook_pair(cert_dir: Path) -> None:
+    """A self-signed ``tls.crt``/``tls.key`` in ``cert_dir``, where a kubelet would mount
+    Kueue's certificate Secret: its rotator waits for the files before Kueue starts its
+    controllers, and no kubelet runs here. Kueue's webhooks are never called (not registered)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kueue-webhook-service")])
+    now = dt.datetime.now(dt.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    (cert_dir / "tls.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (cert_dir / "tls.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )

@@ -1,17 +1,24 @@
 """Our Kueue AdmissionCheck controller on the real control plane, with Kueue's own CRDs.
 
-Kueue's controller manager is not run here (``docs/kueue.md``, "Real Kueue", says why): the
-tests play Kueue. As the admin they create the AdmissionCheck, ClusterQueue and LocalQueue,
-the Job a user writes, and the Workload Kueue makes for it, and write the ``Pending`` entries
-Kueue's workload controller adds; then they assert only what our operator writes: the check's
-state, message and ``podSetUpdates``, the AdmissionCheck's ``Active`` condition, and that the
-entry of another controller's check is never touched.
+Two ways, both with Kueue v0.14.0's CRDs from its Go module (``tests/controlplane/kueue.py``):
+
+- playing Kueue, for the scenarios the real Kueue cannot be made to reach on demand: as the
+  admin the tests create the AdmissionCheck, ClusterQueue and LocalQueue, the Job a user
+  writes, and the Workload Kueue makes for it, and write the ``Pending`` entries Kueue's
+  workload controller adds; then they assert only what our operator writes: the check's
+  state, message and ``podSetUpdates``, the AdmissionCheck's ``Active`` condition, and that
+  the entry of another controller's check is never touched;
+- with Kueue's real controller manager, built from the same Go module (``build.build_kueue``;
+  ``docs/kueue.md``, "Real Kueue", says what it needs here): a Job goes through Kueue's
+  admission with our check, is started with our pod set updates, and its pod is rewritten to
+  the reservation's devices by our pod webhook.
 
 The reservation becomes active the real way: the node agent, under the chart's account, binds
 the operator's DeviceAllocation (``test_real_node_agent.py``'s helpers).
 
 Attack: tenant globex's Workload naming tenant acme's Reservation never gets ``Ready`` (it
-would with the namespace check of ``kueuechecks.decide`` removed: ``own`` = ``candidates``).
+does not with the namespace check of ``kueuechecks.decide`` removed: ``own`` = ``candidates``
+leaves it Pending, then Ready once acme's reservation is active).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,9 +35,9 @@ import pytest
 
 from bettercompute.operator.running import Operator
 from tests.chart import rendering
-from tests.controlplane import install
+from tests.controlplane import build, install
 from tests.controlplane import kueue as kq
-from tests.controlplane.cluster import ApiError, ControlPlane
+from tests.controlplane.cluster import ApiError, ControlPlane, free_port
 from tests.controlplane.plugin import Cluster
 from tests.controlplane.scenarios import (
     RESERVATIONS,
@@ -329,3 +337,152 @@ async def test_a_kueue_workload_runs_in_its_reservation(
             assert "podSetUpdates" not in _check(released)
     finally:
         await cleanup_kueue(plane)
+
+
+# --- the real Kueue ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def real_kueue(cluster: Cluster, kueue_crds: None) -> Iterator[subprocess.Popen[bytes]]:
+    """Kueue's controller manager, built from its Go module, as the cluster admin, for one
+    test; afterwards the finalizers it put on Workloads are removed (no Kueue is left to)."""
+    try:
+        binary = build.build_kueue()
+    except build.BuildError as e:
+        pytest.skip(f"Kueue's controller manager cannot be built here: {e}")
+    plane = cluster.plane
+    for obj in (
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": kq.KUEUE_NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": kq.KUEUE_CERT_SECRET, "namespace": kq.KUEUE_NAMESPACE},
+        },
+    ):
+        plane.apply(obj)
+    root = plane.root / "kueue"
+    kq.write_webhook_pair(root / "certs")
+    config = root / "config.yaml"
+    config.write_text(kq.manager_config(cert_dir=root / "certs", webhook_port=free_port()))
+    log = (root / "kueue.log").open("wb")
+    process = subprocess.Popen(
+        [
+            str(binary),
+            f"--config={config}",
+            f"--kubeconfig={plane.admin_kubeconfig()}",
+            # Its visibility API server wants in-cluster credentials.
+            "--feature-gates=VisibilityOnDemand=false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        print(
+            f"Kueue's log (exit {process.returncode}):\n"
+            + "\n".join((root / "kueue.log").read_text(errors="replace").splitlines()[-30:])
+        )
+        listed = plane.get(f"{kq.PREFIX}/workloads") or {"items": []}
+        for obj in listed["items"]:
+            meta = obj["metadata"]
+            with contextlib.suppress(ApiError):
+                plane.request(
+                    "PATCH",
+                    f"{workloads(meta['namespace'])}/{meta['name']}",
+                    {"metadata": {"finalizers": None}},
+                    content_type="application/merge-patch+json",
+                )
+        with contextlib.suppress(ApiError):
+            plane.request("DELETE", f"/api/v1/namespaces/{kq.KUEUE_NAMESPACE}")
+
+
+async def test_a_job_goes_through_real_kueue_admission_with_our_check(
+    cluster: Cluster,
+    start_real_operator: Callable[..., Any],
+    real_kueue: subprocess.Popen[bytes],
+    nodes: dict[str, dict[str, Any]],  # noqa: F811 - the fixture imported above
+    standing: Node,  # noqa: F811
+) -> None:
+    """End to end with Kueue's own controller manager: it makes the Workload of alice's Job and
+    adds our check as Pending; our operator answers; once the node agent activates the
+    reservation the check is Ready, Kueue admits the Workload and starts the Job with our pod
+    set updates, the controller-manager makes its pod, and our pod webhook rewrites it to the
+    reservation's devices. ClusterQueue quota is counted in the job's own bcd.dev/gpu."""
+    plane = cluster.plane
+    await tenant_namespace(plane, "ml", tenant="acme", user="alice@acme")
+    for obj in (
+        kq.admission_check(CHECK),
+        kq.resource_flavor(),
+        kq.cluster_queue("gpus", checks=[CHECK], gpus=4),
+        kq.local_queue("ml", "team", cluster_queue="gpus"),
+    ):
+        await call(plane, "POST", kq.collection(obj), obj)
+    rsv = f"{RESERVATIONS.format(ns='ml')}/train"
+    try:
+        async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5):
+            await pool_with_nodes(plane, nodes=0)
+            body = reservation("train", "ml", gpus=2, binding="kubernetes")
+            await call(plane, "POST", RESERVATIONS.format(ns="ml"), body, token=tenant(cluster))
+            await wait_for(plane, rsv, state_is("pending"))
+            # Created suspended: Kueue's webhook, which would suspend it, is not registered.
+            job = kq.job("ml", "trainer", gpus=2, annotations={})
+            job["spec"]["template"]["metadata"]["labels"] = {"bcd.dev/reservation": "train"}
+            await call(plane, "POST", "/apis/batch/v1/namespaces/ml/jobs", job)
+
+            def the_workload(o: dict[str, Any] | None) -> bool:
+                return any(check_says("Pending", "'train' is pending")(w) for w in items(o))
+
+            listed = await wait_for(plane, workloads("ml"), the_workload, timeout_s=60)
+            (made,) = items(listed)
+            path = f"{workloads('ml')}/{made['metadata']['name']}"
+            # Kueue reserved the quota in bcd.dev/gpu as the Job asks it; not admitted yet.
+            reserved = await wait_for(plane, path, condition_is("QuotaReserved", "True"))
+            usage = reserved["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+            assert usage == {"bcd.dev/gpu": "2"}
+            assert not condition_is("Admitted", "True")(reserved)
+            assert (await call(plane, "GET", "/apis/batch/v1/namespaces/ml/jobs/trainer"))["spec"][
+                "suspend"
+            ]
+
+            token = await agent_token(cluster, nodes[NODE])
+            async with agent_running(cluster, standing, token):
+                active = await wait_for(plane, rsv, state_is("active"), timeout_s=60)
+                assert active is not None
+                await wait_for(plane, path, condition_is("Admitted", "True"), timeout_s=60)
+                started = await wait_for(
+                    plane,
+                    "/apis/batch/v1/namespaces/ml/jobs/trainer",
+                    lambda o: bool(o) and not (o or {})["spec"].get("suspend"),
+                )
+                template = started["spec"]["template"]
+                assert template["metadata"]["labels"]["bcd.dev/reservation"] == "train"
+                assert template["spec"]["nodeSelector"] == {"kubernetes.io/hostname": NODE}
+                pods = await wait_for(
+                    plane,
+                    "/api/v1/namespaces/ml/pods?labelSelector=job-name%3Dtrainer",
+                    lambda o: bool(items(o)),
+                )
+                (pod,) = items(pods)
+                requests = pod["spec"]["containers"][0]["resources"]["requests"]
+                assert requests == {active["status"]["resourceName"]: "2"}
+    finally:
+        await cleanup_kueue(plane)
+
+
+def items(listed: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return list((listed or {}).get("items") or ())
+
+
+def condition_is(kind: str, status: str) -> Callable[[dict[str, Any] | None], bool]:
+    return lambda o: any(
+        c["type"] == kind and c["status"] == status
+        for c in ((o or {}).get("status") or {}).get("conditions") or ()
+    )
