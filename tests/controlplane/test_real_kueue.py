@@ -404,6 +404,9 @@ def real_kueue(cluster: Cluster, kueue_crds: None) -> Iterator[subprocess.Popen[
             plane.request("DELETE", f"/api/v1/namespaces/{kq.KUEUE_NAMESPACE}")
 
 
+# A cold build of Kueue (the fixture's, when ``python -m tests.controlplane.build`` did not run
+# first) takes minutes on two cores.
+@pytest.mark.timeout(900)
 async def test_a_job_goes_through_real_kueue_admission_with_our_check(
     cluster: Cluster,
     start_real_operator: Callable[..., Any],
