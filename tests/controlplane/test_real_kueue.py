@@ -339,6 +339,86 @@ async def test_a_kueue_workload_runs_in_its_reservation(
         await cleanup_kueue(plane)
 
 
+@pytest.mark.usefixtures("kueue_crds")
+async def test_a_ready_workload_is_told_before_its_reservation_ends(
+    cluster: Cluster,
+    start_real_operator: Callable[..., Any],
+    nodes: dict[str, dict[str, Any]],  # noqa: F811 - the fixture imported above
+    standing: Node,  # noqa: F811
+) -> None:
+    """The pool's spot notice is the lead time: with ``noticeSeconds: 3600`` a 30-minute
+    reservation ends within it as soon as it is active, so the Ready Workload gets our
+    condition (Kueue's, played here, kept) and one Warning Event with the end time, and no
+    second Event after more passes or an operator restart."""
+    plane = cluster.plane
+    await tenant_namespace(plane, "ml", tenant="acme", user="alice@acme")
+    await queues(plane, ("ml",))
+    rsv = f"{RESERVATIONS.format(ns='ml')}/train"
+    events = (
+        "/api/v1/namespaces/ml/events?fieldSelector="
+        "involvedObject.kind%3DWorkload,reason%3DReservationEnding"
+    )
+    try:
+        async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5):
+            await pool_with_nodes(plane, nodes=0)
+            await call(
+                plane,
+                "PATCH",
+                "/apis/bcd.dev/v1alpha1/gpupools/h100",
+                {"spec": {"policy": {"spot": {"noticeSeconds": 3600}}}},
+                **MERGE,
+            )
+            body = reservation("train", "ml", gpus=2, binding="kubernetes", duration="30m")
+            await call(plane, "POST", RESERVATIONS.format(ns="ml"), body, token=tenant(cluster))
+            await wait_for(plane, rsv, state_is("pending"))
+            told = await submitted(
+                plane,
+                kq.workload("ml", "told", gpus=2, template_labels={"bcd.dev/reservation": "train"}),
+            )
+            await wait_for(plane, told, check_says("Pending", "'train' is pending"))
+            # Kueue's own condition, as its scheduler writes it: it must stay.
+            reserved = {
+                "type": "QuotaReserved",
+                "status": "True",
+                "reason": "QuotaReserved",
+                "message": "Quota reserved in ClusterQueue gpus",
+                "lastTransitionTime": _now(),
+            }
+            await call(
+                plane, "PATCH", f"{told}/status", {"status": {"conditions": [reserved]}}, **MERGE
+            )
+            assert not items(await asyncio.to_thread(plane.get, events))
+
+            token = await agent_token(cluster, nodes[NODE])
+            async with agent_running(cluster, standing, token):
+                active = await wait_for(plane, rsv, state_is("active"), timeout_s=60)
+                assert active is not None
+                ending = await wait_for(
+                    plane, told, condition_is("bcd.dev/ReservationEnding", "True"), timeout_s=30
+                )
+                assert ending is not None
+                assert check_is("Ready")(ending)
+                conditions = {c["type"]: c for c in ending["status"]["conditions"]}
+                assert conditions["QuotaReserved"] == reserved
+                ours = conditions["bcd.dev/ReservationEnding"]
+                end = active["status"]["endTime"]
+                assert ours["reason"] == "WindowEnds"
+                assert f"Reservation 'train' ends at {end}" in ours["message"]
+                assert "notice 3600 s" in ours["message"]
+                (event,) = items(
+                    await wait_for(plane, events, lambda o: bool(items(o)), timeout_s=10)
+                )
+                assert event["type"] == "Warning"
+                assert event["message"] == ours["message"]
+                assert event["involvedObject"]["name"] == "told"
+                await asyncio.sleep(2)  # several passes
+        async with start_real_operator(kueue_admission_check=True, kueue_resync_s=0.5):
+            await asyncio.sleep(3)
+        assert len(items(await asyncio.to_thread(plane.get, events))) == 1
+    finally:
+        await cleanup_kueue(plane)
+
+
 # --- the real Kueue ------------------------------------------------------------------------------
 
 

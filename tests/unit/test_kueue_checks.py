@@ -4,6 +4,7 @@ Reservation, and that only our entries of ``status.admissionChecks`` change."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -191,3 +192,85 @@ def test_the_active_condition_is_written_once() -> None:
     check["metadata"]["generation"] = 2
     (renewed,) = kc.active_condition(check, now="t3") or []
     assert renewed["lastTransitionTime"] == "t1"  # still True: no transition
+
+
+# --- the notice of a reservation about to end ----------------------------------------------------
+
+
+def _ending(*, end_ms: int = 2000, notice_s: int = 120, preempted: bool = False, **kw: Any):
+    return dataclasses.replace(_stored(**kw), end_ms=end_ms, notice_s=notice_s, preempted=preempted)
+
+
+def _notice(stored: kc.Stored, *, now_ms: int, workload: dict[str, Any] | None = None):
+    workload = workload or _workload()
+    decision = _decide(workload, stored, previous="Ready")
+    return kc.notice(
+        workload=workload,
+        decision=decision,
+        candidates=[stored],
+        now_ms=now_ms,
+        shown=lambda ms: f"t{ms}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("now_ms", "notice_s", "owed"),
+    [
+        (1_000_000 - 120_001, 120, False),  # 120.001 s before the end: not yet
+        (1_000_000 - 120_000, 120, True),  # exactly the pool's spot notice
+        (1_000_000 - 1, 120, True),
+        (1_000_000 - 300_000, 300, True),  # the pool's own noticeSeconds
+        (1_000_000 - 300_000, 120, False),
+    ],
+)
+def test_a_ready_workload_is_told_at_the_spot_notice_lead_time(now_ms, notice_s, owed) -> None:
+    found = _notice(_ending(end_ms=1_000_000, notice_s=notice_s), now_ms=now_ms)
+    assert (found is not None) == owed
+    if found is not None:
+        assert found.reason == "WindowEnds"
+        assert "Reservation 'train' ends at t1000000" in found.message
+
+
+def test_a_preempted_reservation_gives_notice_at_once() -> None:
+    found = _notice(_ending(end_ms=10**9, preempted=True), now_ms=0)
+    assert found is not None
+    assert found.reason == "SpotPreempted"
+    assert "go at t1000000000" in found.message
+
+
+def test_no_notice_unless_the_check_is_ready() -> None:
+    # Not active (the check is Retry), too big (Rejected), another namespace's: nothing.
+    assert _notice(_ending(state="binding"), now_ms=1999) is None
+    assert _notice(_ending(), now_ms=1999, workload=_workload(gpus=3)) is None
+    assert _notice(_ending(namespace="other"), now_ms=1999) is None
+
+
+def test_the_condition_is_ours_and_keeps_kueues() -> None:
+    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": ""}
+    workload: dict[str, Any] = {
+        "metadata": {"generation": 3},
+        "status": {"conditions": [admitted]},
+    }
+    assert kc.ending_conditions(workload, None, now="t1") is None  # never a False out of nothing
+    told = kc.Notice("WindowEnds", "Reservation 'train' ends at 2026-12-06T17:00:00Z")
+    conditions = kc.ending_conditions(workload, told, now="t1")
+    assert conditions == [
+        admitted,
+        {
+            "type": "bcd.dev/ReservationEnding",
+            "status": "True",
+            "reason": "WindowEnds",
+            "message": told.message,
+            "lastTransitionTime": "t1",
+            "observedGeneration": 3,
+        },
+    ]
+    workload["status"]["conditions"] = conditions
+    assert kc.ending_conditions(workload, told, now="t2") is None  # written once
+    preempted = kc.Notice("SpotPreempted", "spot Reservation 'train' is preempted")
+    (kept, changed) = kc.ending_conditions(workload, preempted, now="t3") or []
+    assert kept == admitted
+    assert (changed["reason"], changed["lastTransitionTime"]) == ("SpotPreempted", "t1")
+    # Extended past the notice: false, at the new time.
+    (_, extended) = kc.ending_conditions(workload, None, now="t4") or []
+    assert (extended["status"], extended["lastTransitionTime"]) == ("False", "t4")

@@ -14,6 +14,14 @@ of the Workload or of its owner Job, or a label of its pod template), and its ch
 - ``Rejected`` with the reason: no or two reservations named, a missing one, one of another
   namespace, one that can never fit, or one that ended.
 
+A Workload whose check is ``Ready`` is told when its reservation is about to end: the window
+ends within the pool's spot notice (``policy.spot.noticeSeconds``, 120 s by default, the lead
+time spot preemption gives running work) or the reservation is being preempted. ``notice``
+says so, and ``ending_conditions`` gives the Workload's ``status.conditions`` with our own
+condition ``bcd.dev/ReservationEnding`` set (Kueue's conditions kept as they are);
+``kueuesyncing`` writes them and posts one Warning Event, reason ``ReservationEnding``, when the
+condition turns true. Never a notice for a check that is not ``Ready``: its pods hold nothing.
+
 The namespace rule is the security boundary: a Workload may only use a Reservation of its own
 namespace, or a tenant could queue jobs onto another tenant's devices. ``decide`` is given
 every Reservation of that name in the cluster and keeps only the Workload's namespace's.
@@ -30,7 +38,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from bettercompute.core import states
+from bettercompute.core import pools, states
 from bettercompute.kube import names
 from bettercompute.operator import podaccess
 
@@ -38,11 +46,15 @@ from bettercompute.operator import podaccess
 CONTROLLER_NAME = "bcd.dev/reservation"
 GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta1"
+API_VERSION = f"{GROUP}/{VERSION}"
 #: The label or annotation naming the Reservation (the one the pod webhooks read).
 RESERVATION_KEY = names.POD_RESERVATION_LABEL
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 PENDING, READY, RETRY, REJECTED = "Pending", "Ready", "Retry", "Rejected"
+#: Our condition on a Workload whose reservation is about to end, and its Event's reason.
+ENDING_CONDITION = "bcd.dev/ReservationEnding"
+ENDING_EVENT_REASON = "ReservationEnding"
 #: The longest message Kueue's schema accepts.
 MESSAGE_MAX = 32768
 
@@ -62,6 +74,10 @@ class Stored:
     #: The nodes its allocations are on.
     nodes: tuple[str, ...]
     release_reason: str | None = None
+    #: The pool's spot notice, seconds: the lead time an ending reservation is announced at.
+    notice_s: int = pools.DEFAULT_SPOT_NOTICE_S
+    #: Being preempted (its ``Preempted`` condition): its window was cut to the deadline.
+    preempted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +162,7 @@ def decide(
     name = next(iter(named))
     if not podaccess.is_object_name(name):
         return Decision(REJECTED, f"{RESERVATION_KEY}: {name!r} is not a Reservation's name")
-    # The security boundary: only the Workload's own namespace's Reservation counts.
-    own = [c for c in candidates if c.namespace == namespace]
+    own = _own(workload, candidates)
     if not own:
         if candidates:
             return Decision(
@@ -157,6 +172,94 @@ def decide(
             )
         return Decision(REJECTED, f"Reservation {name!r} does not exist in namespace {namespace!r}")
     return _decide_for(workload, own[0], previous=previous, shown=shown)
+
+
+def _own(workload: Mapping[str, Any], candidates: Sequence[Stored]) -> list[Stored]:
+    """The security boundary: only the Workload's own namespace's Reservation counts."""
+    namespace = str((workload.get("metadata") or {}).get("namespace") or "")
+    return [c for c in candidates if c.namespace == namespace]
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """Why a Ready Workload's reservation is about to end: the condition's reason and the
+    message of the condition and the Event."""
+
+    reason: str
+    message: str
+
+
+def notice(
+    *,
+    workload: Mapping[str, Any],
+    decision: Decision,
+    candidates: Sequence[Stored],
+    now_ms: int,
+    shown: Any,
+) -> Notice | None:
+    """The notice the Workload is owed now, or ``None``: only for a ``Ready`` check, when its
+    reservation is being preempted or its window ends within its pool's spot notice."""
+    own = _own(workload, candidates)
+    if decision.state != READY or not own:
+        return None
+    stored = own[0]
+    if stored.booked.state != states.State.ACTIVE or stored.end_ms is None:
+        return None
+    ends = shown(stored.end_ms)
+    if stored.preempted:
+        return Notice(
+            "SpotPreempted",
+            f"spot Reservation {stored.name!r} is preempted: its devices go at {ends}",
+        )
+    if stored.end_ms - now_ms <= stored.notice_s * 1000:
+        return Notice(
+            "WindowEnds",
+            f"Reservation {stored.name!r} ends at {ends}: its devices go then (notice "
+            f"{stored.notice_s} s, the pool's spot notice); extend it to keep them",
+        )
+    return None
+
+
+def ending_conditions(
+    workload: Mapping[str, Any], found: Notice | None, *, now: str
+) -> list[dict[str, Any]] | None:
+    """The Workload's ``status.conditions`` with ``bcd.dev/ReservationEnding`` true while
+    ``found`` is a notice, false once a notice no longer holds (the reservation was
+    extended), every other condition kept in place; ``None`` when nothing changes (never a
+    false condition where there was none)."""
+    conditions = [
+        dict(c)
+        for c in (workload.get("status") or {}).get("conditions") or ()
+        if isinstance(c, Mapping)
+    ]
+    at = next((i for i, c in enumerate(conditions) if c.get("type") == ENDING_CONDITION), None)
+    previous = conditions[at] if at is not None else None
+    if found is None:
+        if previous is None or previous.get("status") != "True":
+            return None
+        status, reason, message = "False", "NotEnding", "the reservation no longer ends soon"
+    else:
+        status, reason, message = "True", found.reason, found.message
+    wanted: dict[str, Any] = {
+        "type": ENDING_CONDITION,
+        "status": status,
+        "reason": reason,
+        "message": message[:MESSAGE_MAX],
+        "lastTransitionTime": (
+            previous.get("lastTransitionTime")
+            if previous is not None and previous.get("status") == status
+            else now
+        ),
+    }
+    generation = (workload.get("metadata") or {}).get("generation")
+    if isinstance(generation, int):
+        wanted["observedGeneration"] = generation
+    if wanted == previous:
+        return None
+    if at is None:
+        return [*conditions, wanted]
+    conditions[at] = wanted
+    return conditions
 
 
 def _decide_for(

@@ -14,12 +14,18 @@ should say; this module feeds it and writes its answers. One pass (``sync``):
    and the nodes its devices are on;
 4. writes ``status.admissionChecks`` back with our entries changed and everyone else's kept,
    under the Workload's ``resourceVersion``: a conflicting write (Kueue's own) is a 409, and
-   the next pass reads again.
+   the next pass reads again;
+5. in the same write, our condition ``bcd.dev/ReservationEnding`` in ``status.conditions``
+   (Kueue's kept) when a Ready Workload's reservation ends within its pool's spot notice or is
+   being preempted (``kueuechecks.notice``), and one Warning Event on the Workload when that
+   condition turns true, posted only after the write succeeded: the condition, kept on the
+   Workload, is what makes it one Event across passes and restarts.
 
 ``run`` makes a pass when woken (a Workload or AdmissionCheck event, a reservation change)
 and every ``resync_s`` in any case; everything is read again each pass, so an operator that
 restarts loses nothing. What it must never do: decide (``kueuechecks`` does), write any
-Workload field but ``status.admissionChecks``, or touch an entry of another controller's check.
+Workload field but ``status.admissionChecks`` and our own condition, or touch an entry of
+another controller's check or a condition of Kueue's.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,10 +41,11 @@ from lightkube import ALL_NS
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.batch_v1 import Job
 
-from bettercompute.core import moments
+from bettercompute.core import moments, pools, states
 from bettercompute.kube import resources
 from bettercompute.kube.client import KubeClient, KubeError
 from bettercompute.operator import kueuechecks, podaccess, podowners
+from bettercompute.service import reservations
 from bettercompute.service.nodes import NodeService
 from bettercompute.service.reservations import ReservationService
 
@@ -68,6 +76,10 @@ async def kueue_served(kube: KubeClient) -> bool:
         raise
 
 
+def _wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 class KueueChecks:
     """Our AdmissionChecks' controller (see the module docstring)."""
 
@@ -79,9 +91,13 @@ class KueueChecks:
         nodes: NodeService,
         clock: Callable[[], str],
         resync_s: float = 10.0,
+        now_ms: Callable[[], int] = _wall_clock_ms,
     ) -> None:
         self.kube = kube
+        self.service = service
         self.owners = podowners.PodOwners(service)
+        #: Wall-clock time for the notice's lead time, as the node agent's preemption notice.
+        self.now_ms = now_ms
         self.nodes = nodes
         self.clock = clock
         self.resync_s = resync_s
@@ -160,18 +176,34 @@ class KueueChecks:
             for entry in _entries(workload, ours)
         }
         merged = kueuechecks.merged_checks(entries, decisions, now=self.clock())
-        if merged is None:
+        notices = [
+            kueuechecks.notice(
+                workload=workload,
+                decision=decision,
+                candidates=candidates,
+                now_ms=self.now_ms(),
+                shown=moments.rfc3339,
+            )
+            for decision in decisions.values()
+        ]
+        owed = next((n for n in notices if n is not None), None)
+        conditions = kueuechecks.ending_conditions(workload, owed, now=self.clock())
+        if merged is None and conditions is None:
             return 0
+        status: dict[str, Any] = {}
+        if merged is not None:
+            status["admissionChecks"] = merged
+        if conditions is not None:
+            status["conditions"] = conditions
         await self.kube.patch(
             WORKLOADS,
             str(meta["name"]),
-            {
-                "metadata": {"resourceVersion": meta.get("resourceVersion")},
-                "status": {"admissionChecks": merged},
-            },
+            {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": status},
             namespace=str(meta["namespace"]),
             status=True,
         )
+        if owed is not None and conditions is not None and not _ending(workload):
+            await self._tell(workload, owed)
         for name, decision in sorted(decisions.items()):
             log.info(
                 "Workload %s/%s: check %s is %s: %s",
@@ -182,6 +214,26 @@ class KueueChecks:
                 decision.message,
             )
         return 1
+
+    async def _tell(self, workload: Mapping[str, Any], owed: kueuechecks.Notice) -> None:
+        """The Warning Event of a notice; best effort (the condition is the state)."""
+        meta = workload["metadata"]
+        try:
+            await self.kube.post_event(
+                involved={**workload, "apiVersion": kueuechecks.API_VERSION, "kind": "Workload"},
+                type_="Warning",
+                reason=kueuechecks.ENDING_EVENT_REASON,
+                message=owed.message,
+                namespace=str(meta["namespace"]),
+            )
+        except KubeError as e:
+            log.warning(
+                "could not post the notice of Workload %s/%s: %s",
+                meta["namespace"],
+                meta["name"],
+                e,
+            )
+        log.warning("Workload %s/%s: %s", meta["namespace"], meta["name"], owed.message)
 
     async def _owner_job(self, workload: Mapping[str, Any]) -> dict[str, Any] | None:
         """The Workload's controlling Job in its own namespace, if its uid matches."""
@@ -226,7 +278,26 @@ class KueueChecks:
             end_ms=during["end"] if during else None,
             nodes=tuple(await self.nodes.nodes_of(view["id"])),
             release_reason=view.get("releaseReason"),
+            notice_s=await self._notice_s(view["poolId"], view["tenantId"]),
+            preempted=states.has_condition(
+                view.get("conditions") or (), states.Condition.PREEMPTED
+            ),
         )
+
+    async def _notice_s(self, pool_id: str, tenant_id: str) -> int:
+        """The pool's spot notice (``policy.spot.noticeSeconds``, its default when unset)."""
+        pool = await reservations.admission_pool(self.service.db, pool_id, tenant_id)
+        return pool.spot_notice_s if pool is not None else pools.DEFAULT_SPOT_NOTICE_S
+
+
+def _ending(workload: Mapping[str, Any]) -> bool:
+    """Our condition is already true: its Event was posted when it turned so."""
+    return any(
+        isinstance(c, Mapping)
+        and c.get("type") == kueuechecks.ENDING_CONDITION
+        and c.get("status") == "True"
+        for c in (workload.get("status") or {}).get("conditions") or ()
+    )
 
 
 def _entries(workload: Mapping[str, Any], ours: set[str]) -> list[Mapping[str, Any]]:
