@@ -13,7 +13,9 @@ Why it exists: it is the composition root of the node side. ``started`` wires, i
    ``/healthz`` (the process answers) and ``/readyz`` (registered with the kubelet for every
    resource and the first converger pass done);
 4. the GPUNode (``publishing``), created if missing: while the API cannot be reached the agent
-   says so and retries with backoff;
+   says so and retries with backoff; with ``--refuse-foreign``, first the check for
+   another path to the node's GPUs (``foreign``), which stops the start (exit 1, the message
+   naming what it found) before the agent registers anything with the kubelet;
 5. the ``NodePlugin`` (converger, kubelet servers, registration) over the DeviceAllocation
    adapter (``watching``), whose watch wakes the converger, and the GPUNode publisher; with
    ``--dra``, also the DRA plugin for ``gpu.bcd.dev`` (``draserving``, registered through the
@@ -156,6 +158,10 @@ class AgentConfig:
     kubelet_registry_dir: Path = draregistering.KUBELET_REGISTRY_DIR
     #: The prepared claims' checkpoint; None: ``dra-claims.json`` beside the node key.
     dra_checkpoint: Path | None = None
+    #: Refuse to start where another path already hands this node's GPUs to pods (another
+    #: device plugin's socket, another vendor's GPU resource on the Node, a GPU DRA driver's
+    #: ResourceSlice). Off: start anyway, with the GPUNode's ForeignGpuExposure condition True.
+    refuse_foreign_exposure: bool = False
 
     def dra_setup(self, reader: draserving.ClaimReader) -> DraSetup | None:
         if not self.dra:
@@ -247,6 +253,18 @@ def xid_health(config: AgentConfig, events: XidEventSource | None = None) -> Xid
     )
 
 
+def refusal(found: str) -> str:
+    """Why the agent does not start where ``found`` (``foreign.describe``'s message) hands
+    this node's GPUs to pods, and the two ways on."""
+    return (
+        f"{found}; refusing to start (--refuse-foreign): turn that path off on this "
+        "node (NVIDIA's GPU operator: label the node nvidia.com/gpu.deploy.device-plugin=false; "
+        "docs/nvidia.md), or run beside it without --refuse-foreign (chart: "
+        "devicePlugin.refuseForeignExposure=false) and the GPUNode's ForeignGpuExposure "
+        "condition True"
+    )
+
+
 def _credentials(config: AgentConfig) -> tuple[KubeConfig, str]:
     try:
         return kube_config(
@@ -307,6 +325,13 @@ async def started(
         except CredentialsError as e:
             raise AgentError(f"{where}: {e}") from e
         stack.push_async_callback(client.close)
+        foreign = ForeignExposure(
+            client=client, node_name=config.node_name, plugin_dir=config.plugin_dir
+        )
+        if config.refuse_foreign_exposure:
+            found = await foreign.check()
+            if found is not None:
+                raise AgentError(refusal(found))
         if xid is not None:
             xid.start()
             # Joining the thread takes up to one NVML wait: not on the event loop.
@@ -351,9 +376,7 @@ async def started(
             capabilities=capabilities,
             heartbeat_s=config.heartbeat_s,
             limits_problem=limits_problem,
-            foreign=ForeignExposure(
-                client=client, node_name=config.node_name, plugin_dir=config.plugin_dir
-            ),
+            foreign=foreign,
         )
         tasks: list[asyncio.Task[None]] = []
         agent = Agent(
@@ -626,6 +649,17 @@ def run(
             "scheduler allocated this node's booked devices.",
         ),
     ] = False,
+    refuse_foreign_exposure: Annotated[
+        bool,
+        typer.Option(
+            "--refuse-foreign",
+            envvar="BCD_REFUSE_FOREIGN_EXPOSURE",
+            help="Exit at start (status 1) when another path already hands this node's GPUs "
+            "to pods: another device plugin's socket in --plugin-dir, another vendor's GPU "
+            "resource on the Node, a GPU DRA driver's ResourceSlice. Off: start anyway and "
+            "say so in the GPUNode's ForeignGpuExposure condition.",
+        ),
+    ] = False,
     kubelet_plugins_dir: Annotated[
         Path,
         typer.Option(
@@ -712,6 +746,7 @@ def run(
         api_token=api_token,
         kubeconfig=kubeconfig,
         dra=dra,
+        refuse_foreign_exposure=refuse_foreign_exposure,
         kubelet_plugins_dir=kubelet_plugins_dir,
         kubelet_registry_dir=kubelet_registry_dir,
     )

@@ -13,9 +13,16 @@ signs count:
   (``FOREIGN_RESOURCE_PREFIXES``);
 - a DRA ResourceSlice of a GPU driver (``GPU_DRA_DRIVERS``) for this node.
 
+The same check runs once before the agent registers anything when it is told
+``--refuse-foreign`` (the chart's ``devicePlugin.refuseForeignExposure``, on by
+default): then what it finds stops the start, so an install onto a node that NVIDIA's device
+plugin still serves fails where ``helm install --wait`` shows it instead of degrading
+reservations later. That decision is the agent's (``agent.started``), not this module's.
+
 What it must never do: act on what it finds (nothing is released or stopped here; the
-condition is the whole effect), or fail the agent: a check it cannot make (no ResourceSlice
-API on an older cluster, a directory it cannot read) is skipped and the others still count.
+condition, or the agent's refusal to start, is the whole effect), or fail the check: a check
+it cannot make (no ResourceSlice API on an older cluster, a directory it cannot read) is
+skipped and the others still count.
 """
 
 from __future__ import annotations
