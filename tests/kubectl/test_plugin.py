@@ -417,6 +417,34 @@ async def test_get_shows_the_row_with_real_times_and_one_with_its_conditions(
     assert [o["metadata"]["name"] for o in listed["items"]] == ["train"]
 
 
+async def test_output_name_is_kind_dot_group_slash_name_as_kubectl_prints_it(
+    world: World, plugin: Plugin
+) -> None:
+    created = await plugin.run(
+        "reserve",
+        "named",
+        "--pool",
+        "h100",
+        "--gpus",
+        "1",
+        "--for",
+        "1h",
+        "--no-wait",
+        "-o",
+        "name",
+    )
+    assert created.code == 0, created.err
+    assert created.out == "reservation.bcd.dev/named\n"
+    for args in (("get",), ("get", "named"), ("get", "-A")):
+        ran = await plugin.run(*args, "-o", "name")
+        assert ran.code == 0, ran.err
+        assert ran.out == "reservation.bcd.dev/named\n", args
+    pools = await plugin.run("pools", "-o", "name")
+    assert pools.out == "gpupool.bcd.dev/h100\n"
+    quotas = await plugin.run("quota", "-o", "name")
+    assert quotas.out == "gpuquota.bcd.dev/acme\n"
+
+
 async def test_get_of_a_missing_reservation_is_one_line_404(world: World, plugin: Plugin) -> None:
     ran = await plugin.run("get", "nope")
     assert ran.code == 1

@@ -206,7 +206,7 @@ OutputOption = Annotated[
         "--output",
         "-o",
         help="table for people; yaml or json: the objects as the API server returned them;"
-        " name: only the names.",
+        " name: kind.group/name, as kubectl prints it (reservation.bcd.dev/train-1).",
         case_sensitive=False,
     ),
 ]
@@ -432,6 +432,11 @@ def _name_of(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("name") or "")
 
 
+def _qualified(kind: str, name: str) -> str:
+    """``kind.group/name`` as ``kubectl get -o name`` prints it: ``reservation.bcd.dev/train``."""
+    return f"{kind.lower()}.{names.GROUP}/{name}"
+
+
 # --- reserve ---------------------------------------------------------------------------------
 
 
@@ -638,6 +643,8 @@ def reserve(
 def _show_created(obj: Mapping[str, Any], output: Output) -> None:
     if output in (Output.JSON, Output.YAML):
         _dump(obj, output)
+    elif output == Output.NAME:
+        print(_qualified("Reservation", _name_of(obj)), flush=True)
     else:
         print(_name_of(obj), flush=True)
 
@@ -683,7 +690,7 @@ def get(
             if output == Output.TABLE:
                 _print(tables.reservation(obj, now=_now()))
             elif output == Output.NAME:
-                print(_name_of(obj))
+                print(_qualified("Reservation", _name_of(obj)))
             else:
                 _dump(obj, output)
             return 0
@@ -695,7 +702,7 @@ def get(
             _dump(_listed(items), output)
         elif output == Output.NAME:
             for obj in items:
-                print(_name_of(obj))
+                print(_qualified("Reservation", _name_of(obj)))
         elif not items:
             where = "any namespace" if all_namespaces else f"namespace {api.namespace}"
             note(f"No reservations in {where}.")
@@ -924,7 +931,7 @@ def pools(
             _dump(_listed(items), output)
         elif output == Output.NAME:
             for pool in items:
-                print(_name_of(pool))
+                print(_qualified("GPUPool", _name_of(pool)))
         elif not items:
             note("No GPUPools in this cluster.")
         else:
@@ -1008,7 +1015,7 @@ def find(
         elif output == Output.NAME:
             for row in rows:
                 if row.fits_now:
-                    print(row.pool)
+                    print(_qualified("GPUPool", row.pool))
         elif not rows:
             note("No GPUPools in this cluster.")
         else:
@@ -1056,7 +1063,7 @@ def quota(
             _dump(_listed(items), output)
         elif output == Output.NAME:
             for q in items:
-                print(_name_of(q))
+                print(_qualified("GPUQuota", _name_of(q)))
         elif not items:
             note(f"No GPUQuotas{f' for tenant {chosen}' if chosen else ''}.")
         else:
