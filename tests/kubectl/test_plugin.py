@@ -445,6 +445,44 @@ async def test_output_name_is_kind_dot_group_slash_name_as_kubectl_prints_it(
     assert quotas.out == "gpuquota.bcd.dev/acme\n"
 
 
+async def test_get_selects_by_label_and_lists_every_namespace_with_a_namespace_column(
+    world: World, plugin: Plugin
+) -> None:
+    for name, team in (("vision", "a"), ("speech", "b"), ("plain", None)):
+        await _placed(plugin, world.kube, name, "--gpus", "1", "--for", "1h")
+        if team is not None:
+            await world.kube.patch(RESERVATIONS, NS, name, {"metadata": {"labels": {"team": team}}})
+
+    async def names(*args: str) -> list[str]:
+        ran = await plugin.run("get", *args, "-o", "name")
+        assert ran.code == 0, ran.err
+        return [line.removeprefix("reservation.bcd.dev/") for line in ran.out.split()]
+
+    assert await names("-l", "team=a") == ["vision"]
+    assert await names("--selector", "team in (a,b)") == ["speech", "vision"]
+    assert await names("-l", "team,team!=a") == ["speech"]
+    assert await names("-l", "!team") == ["plain"]
+    assert await names("-A", "-l", "team notin (a)") == ["plain", "speech"]
+    none = await plugin.run("get", "-l", "team=c")
+    assert none.code == 0
+    assert none.err.strip() == f"No reservations matching team=c in namespace {NS}."
+
+    every = await plugin.run("get", "-A", "-l", "team=b")
+    assert every.code == 0, every.err
+    header, row = every.out.strip().splitlines()
+    assert header.split()[:2] == ["NAMESPACE", "NAME"]
+    assert row.split()[:2] == [NS, "speech"]
+
+    for bad in ("team in a", "team=a,", "=a", "a==b==c"):
+        ran = await plugin.run("get", "-l", bad)
+        assert ran.code == 2, (bad, ran.err)
+        assert "--selector" in ran.err, ran.err
+        assert "Traceback" not in ran.err
+    both = await plugin.run("get", "vision", "-l", "team=a")
+    assert both.code == 2
+    assert "give NAME or --selector, not both" in both.err
+
+
 async def test_get_of_a_missing_reservation_is_one_line_404(world: World, plugin: Plugin) -> None:
     ran = await plugin.run("get", "nope")
     assert ran.code == 1

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import httpx2
 import yaml
-from lightkube import AsyncClient, ConfigError
+from lightkube import AsyncClient, ConfigError, operators
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ApiError, NotReadyError
@@ -230,7 +230,7 @@ class KubeClient:
         resource: Any,
         *,
         namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str | operators.Operator[Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Every object (with ``labels``, those that carry them), never a partial list."""
         items, _ = await self.list_from(resource, namespace=namespace, labels=labels)
@@ -241,7 +241,7 @@ class KubeClient:
         resource: Any,
         *,
         namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str | operators.Operator[Any]] | None = None,
     ) -> tuple[builtins.list[dict[str, Any]], str | None]:
         """(items, the list's ``resourceVersion``), to watch from: every object, never a
         partial list."""

@@ -218,6 +218,28 @@ TimeoutOption = Annotated[
         callback=_check_duration,
     ),
 ]
+
+
+def _check_selector(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            specs.label_selector(value)
+        except specs.UsageError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
+SelectorOption = Annotated[
+    str | None,
+    typer.Option(
+        "--selector",
+        "-l",
+        help="Only objects whose labels match, in kubectl's syntax: key=value, key!=value,"
+        " 'key in (a,b)', 'key notin (a,b)', key, !key; commas join (AND).",
+        show_default=False,
+        callback=_check_selector,
+    ),
+]
 NameArgument = Annotated[str, typer.Argument(metavar="NAME", help="The Reservation's name.")]
 #: How long extend, renew and release wait for the operator's answer.
 AnswerTimeoutOption = Annotated[
@@ -661,6 +683,7 @@ def _show_created(obj: Mapping[str, Any], output: Output) -> None:
     epilog=_examples(
         "kubectl bcd get -n ml",
         "kubectl bcd get -A",
+        "kubectl bcd get -l team=vision -n ml",
         "kubectl bcd get rsv-x7k2p -n ml",
         "kubectl bcd get rsv-x7k2p -n ml -o yaml",
     ),
@@ -673,14 +696,23 @@ def get(
     ] = None,
     all_namespaces: Annotated[
         bool,
-        typer.Option("--all-namespaces", "-A", help="Every namespace you may list."),
+        typer.Option(
+            "--all-namespaces",
+            "-A",
+            help="Every namespace you may list (a NAMESPACE column first).",
+        ),
     ] = False,
+    selector: SelectorOption = None,
     output: OutputOption = Output.TABLE,
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
 ) -> None:
     """List Reservations, or show one with its conditions."""
+
+    if name is not None and selector is not None:
+        raise typer.BadParameter("give NAME or --selector, not both", param_hint="'--selector'")
+    labels = None if selector is None else specs.label_selector(selector)
 
     async def work(api: Api) -> int:
         if name is not None:
@@ -696,7 +728,9 @@ def get(
             return 0
         scope = None if all_namespaces else api.namespace
         target = specs.Target("list", "Reservation", "reservations", scope)
-        items = await api.call(api.kube.list(resources.RESERVATIONS, namespace=scope), target)
+        items = await api.call(
+            api.kube.list(resources.RESERVATIONS, namespace=scope, labels=labels), target
+        )
         items.sort(key=lambda o: ((o.get("metadata") or {}).get("namespace") or "", _name_of(o)))
         if output in (Output.JSON, Output.YAML):
             _dump(_listed(items), output)
@@ -705,7 +739,8 @@ def get(
                 print(_qualified("Reservation", _name_of(obj)))
         elif not items:
             where = "any namespace" if all_namespaces else f"namespace {api.namespace}"
-            note(f"No reservations in {where}.")
+            matching = "" if selector is None else f" matching {selector}"
+            note(f"No reservations{matching} in {where}.")
         else:
             _print(tables.reservations(items, now=_now(), namespaces=all_namespaces))
         return 0

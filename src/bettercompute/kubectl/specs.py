@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightkube import operators
+
 from bettercompute.core import states
 from bettercompute.kube import names
 from bettercompute.kube.client import KubeError
@@ -416,3 +418,82 @@ def failed_call(error: KubeError, target: Target, *, server: str) -> str:
     if error.status == 422:
         return f"{target.verb} {target.ref}: invalid (422): {said}"
     return f"{target.verb} {target.ref}: {error.status} {error.reason}: {said}"
+
+
+# --- label selectors -------------------------------------------------------------------------
+
+_KEY = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_EXISTS = re.compile(rf"^(?P<not>!?)\s*(?P<key>{_KEY})$")
+_COMPARE = re.compile(rf"^(?P<key>{_KEY})\s*(?P<op>==|=|!=)\s*(?P<value>{_VALUE})$")
+_SET = re.compile(rf"^(?P<key>{_KEY})\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)$")
+
+Selector = dict[str, str | operators.Operator[Any]]
+
+
+def _terms(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses."""
+    terms, depth, current = [], 0, ""
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        if char == "," and depth == 0:
+            terms.append(current.strip())
+            current = ""
+        else:
+            current += char
+    terms.append(current.strip())
+    return terms
+
+
+def label_selector(text: str) -> Selector:
+    """kubectl's ``-l`` syntax (``a=b``, ``a==b``, ``a!=b``, ``a in (x,y)``, ``a notin (x)``,
+    ``a``, ``!a``, joined by commas) as lightkube's selector; ``UsageError`` naming
+    ``--selector`` for anything else."""
+    parsed: Selector = {}
+
+    def bad(why: str) -> UsageError:
+        return UsageError(f"{text!r}: {why}", option="--selector")
+
+    for term in _terms(text):
+        if not term:
+            raise bad("an empty requirement (a stray comma?)")
+        value: str | operators.Operator[Any]
+        if found := _SET.match(term):
+            values = [v.strip() for v in found["values"].split(",")]
+            if not all(re.fullmatch(_VALUE, v) for v in values) or values == [""]:
+                raise bad(f"{term!r} needs label values in its parentheses: a in (x,y)")
+            maker = operators.in_ if found["op"] == "in" else operators.not_in
+            value = maker(values)
+        elif found := _COMPARE.match(term):
+            value = (
+                operators.not_equal(found["value"])
+                if found["op"] == "!="
+                else operators.equal(found["value"])
+            )
+        elif found := _EXISTS.match(term):
+            value = operators.not_exists() if found["not"] else operators.exists()
+        else:
+            raise bad(
+                f"{term!r} is not a requirement: use key=value, key!=value, key in (a,b),"
+                " key notin (a,b), key or !key"
+            )
+        key = found["key"]
+        parsed[key] = value if key not in parsed else _Both(parsed[key], value)
+    return parsed
+
+
+class _Both(operators.Operator[None]):
+    """Two requirements on one key (``team,team!=a``), which a dict keyed by label cannot
+    hold otherwise: encoded as both, comma-joined, as the API server reads them."""
+
+    def __init__(
+        self, first: str | operators.Operator[Any], second: operators.Operator[Any]
+    ) -> None:
+        super().__init__("all", ",", None)
+        self.parts = [operators.equal(first) if isinstance(first, str) else first, second]
+
+    def encode(self, key: str) -> str:
+        return ",".join(part.encode(key) for part in self.parts)
