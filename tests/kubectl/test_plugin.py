@@ -391,14 +391,25 @@ async def test_get_shows_the_row_with_real_times_and_one_with_its_conditions(
     ran = await plugin.run("get")
     assert ran.code == 0, ran.err
     header, *rows = ran.out.strip().splitlines()
-    assert header.split() == ["NAME", "STATE", "READY", "GPUS", "POOL", "NODES", "START", "END"]
+    assert header.split() == ["NAME", "STATE", "READY", "GPUS", "POOL", "END"]
     (row,) = rows
     assert "<invalid>" not in ran.out
+    assert max(len(line) for line in ran.out.splitlines()) <= 100, ran.out
     start = placed["status"]["startTime"][:16].replace("T", " ")
     end = placed["status"]["endTime"][:16].replace("T", " ")
     assert re.match(
+        rf"train\s+(placed|binding)\s+False\s+2\s+h100\s+{end}Z \(in (7h|8h)\)$", row
+    ), row
+
+    wide = await plugin.run("get", "-o", "wide")
+    assert wide.code == 0, wide.err
+    header, row = wide.out.strip().splitlines()
+    assert header.split() == [
+        *["NAME", "STATE", "READY", "GPUS", "POOL", "NODES", "START", "END", "ID"]
+    ]
+    assert re.match(
         rf"train\s+(placed|binding)\s+False\s+2\s+h100\s+{node}\s+{start}Z \((now|\d+m ago)\)\s+"
-        rf"{end}Z \(in (7h|8h)\)$",
+        rf"{end}Z \(in (7h|8h)\)\s+{placed['status']['id']}$",
         row,
     ), row
 
@@ -415,6 +426,33 @@ async def test_get_shows_the_row_with_real_times_and_one_with_its_conditions(
     assert json.loads(as_json.out)["status"]["id"] == placed["status"]["id"]
     listed = yaml.safe_load((await plugin.run("get", "-o", "yaml")).out)
     assert [o["metadata"]["name"] for o in listed["items"]] == ["train"]
+
+    # kubectl's jsonpath templates, on one object and on the list.
+    one = await plugin.run("get", "train", "-o", "jsonpath={.spec.poolId}/{.status.gpus}")
+    assert one.code == 0, one.err
+    assert one.out == "h100/2"
+    every = await plugin.run(
+        "get", "-o", 'jsonpath={range .items[*]}{.metadata.name}{"\\t"}{.status.id}{"\\n"}{end}'
+    )
+    assert every.out == f"train\t{placed['status']['id']}\n"
+    picked = await plugin.run(
+        "get", "-o", 'jsonpath={.items[?(@.spec.poolId=="h100")].metadata.name}'
+    )
+    assert picked.out == "train"
+    pools = await plugin.run("pools", "-o", "jsonpath={.items[*].spec.model}")
+    assert pools.out == "H100"
+    for bad, said in (
+        ("jsonpath={.items[", "unbalanced braces"),
+        ("jsonpath={range .items[*]}", "without its {end}"),
+        ("jsonpath={metadata.name}", "a path starts with ."),
+        ("jsonpath", "jsonpath needs a template"),
+        ("jsonpath={.items[?(@.a==)]}", "jsonpath={.items[?(@.a==)]}"),
+        ("xml", "is not one of: table, wide, yaml, json, name, jsonpath=TEMPLATE"),
+    ):
+        ran = await plugin.run("get", "-o", bad)
+        assert ran.code == 2, (bad, ran.err)
+        assert "'--output'" in ran.err, ran.err
+        assert said in " ".join(ran.err.split()), ran.err
 
 
 async def test_output_name_is_kind_dot_group_slash_name_as_kubectl_prints_it(

@@ -43,7 +43,7 @@ from bettercompute.kube.client import (
     KubeError,
     kube_config,
 )
-from bettercompute.kubectl import specs, tables, times
+from bettercompute.kubectl import jsonpath, specs, tables, times
 
 T = TypeVar("T")
 
@@ -89,9 +89,53 @@ def _examples(*lines: str) -> str:
 
 class Output(enum.StrEnum):
     TABLE = "table"
+    WIDE = "wide"
     YAML = "yaml"
     JSON = "json"
     NAME = "name"
+    JSONPATH = "jsonpath"
+
+
+@dataclass(frozen=True)
+class Format:
+    """``-o``: the kind of output, and the template of ``-o jsonpath=TEMPLATE``."""
+
+    kind: Output
+    template: str = ""
+
+    @property
+    def tabular(self) -> bool:
+        return self.kind in (Output.TABLE, Output.WIDE)
+
+    @property
+    def structured(self) -> bool:
+        """The objects themselves: as yaml, json, or through a jsonpath template."""
+        return self.kind in (Output.JSON, Output.YAML, Output.JSONPATH)
+
+    def __str__(self) -> str:
+        return f"jsonpath={self.template}" if self.kind == Output.JSONPATH else self.kind.value
+
+
+TABLE = Format(Output.TABLE)
+
+
+def _parse_output(value: str | Format) -> Format:
+    if isinstance(value, Format):
+        return value
+    kind, equals, template = value.partition("=")
+    kind = kind.strip().lower()
+    if kind == "jsonpath":
+        if not equals or not template:
+            raise typer.BadParameter("jsonpath needs a template: -o jsonpath='{.status.state}'")
+        try:
+            jsonpath.compile_template(template)
+        except jsonpath.TemplateError as e:
+            raise typer.BadParameter(f"jsonpath={template}: {e}") from None
+        return Format(Output.JSONPATH, template)
+    if equals or kind not in {o.value for o in Output} or kind == "jsonpath":
+        known = "table, wide, yaml, json, name, jsonpath=TEMPLATE"
+        raise typer.BadParameter(f"{value!r} is not one of: {known}")
+    return Format(Output(kind))
 
 
 class DeviceClass(enum.StrEnum):
@@ -201,13 +245,19 @@ NamespaceOption = Annotated[
     ),
 ]
 OutputOption = Annotated[
-    Output,
+    Format,
     typer.Option(
         "--output",
         "-o",
-        help="table for people; yaml or json: the objects as the API server returned them;"
-        " name: kind.group/name, as kubectl prints it (reservation.bcd.dev/train-1).",
-        case_sensitive=False,
+        metavar="FORMAT",
+        help="table (for people), wide (the table with more columns), yaml or json (the"
+        " objects as the API server returned them), name (kind.group/name, as kubectl prints"
+        " it: reservation.bcd.dev/train-1) or jsonpath=TEMPLATE: kubectl's template, such as"
+        " '{.status.state}' or '{range .items[*]}{.metadata.name}{\"\\n\"}{end}' (text,"
+        ' {.path} with jsonpath-ng\'s paths: [*], [0], [?(@.a=="b")], ..; {"literal"},'
+        " {range .path}…{end}, {@}; a list is {.items[*]…}).",
+        parser=_parse_output,
+        show_default=True,
     ),
 ]
 TimeoutOption = Annotated[
@@ -438,8 +488,10 @@ def _print(renderable: RenderableType) -> None:
     sys.stdout.flush()
 
 
-def _dump(data: Any, output: Output) -> None:
-    if output == Output.JSON:
+def _dump(data: Any, output: Format) -> None:
+    if output.kind == Output.JSONPATH:
+        sys.stdout.write(jsonpath.render(output.template, data))
+    elif output.kind == Output.JSON:
         sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     else:
         sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
@@ -585,7 +637,7 @@ def reserve(
         typer.Option("--no-wait", help="Print the name once created; do not wait for Ready."),
     ] = False,
     timeout: TimeoutOption = "5m",
-    output: OutputOption = Output.TABLE,
+    output: OutputOption = TABLE,
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
@@ -639,7 +691,7 @@ def reserve(
                 f" delete it with `kubectl delete reservation {made} -n {api.namespace}`",
             )
         assert obj is not None
-        if output == Output.TABLE:
+        if output.tabular:
             _print(tables.summary(obj, outcome=outcome.message, now=_now()))
         else:
             _show_created(obj, output)
@@ -662,10 +714,10 @@ def reserve(
     _run(ctx, Cluster(kubeconfig, context, namespace), work)
 
 
-def _show_created(obj: Mapping[str, Any], output: Output) -> None:
-    if output in (Output.JSON, Output.YAML):
+def _show_created(obj: Mapping[str, Any], output: Format) -> None:
+    if output.structured:
         _dump(obj, output)
-    elif output == Output.NAME:
+    elif output.kind == Output.NAME:
         print(_qualified("Reservation", _name_of(obj)), flush=True)
     else:
         print(_name_of(obj), flush=True)
@@ -703,7 +755,7 @@ def get(
         ),
     ] = False,
     selector: SelectorOption = None,
-    output: OutputOption = Output.TABLE,
+    output: OutputOption = TABLE,
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
@@ -719,9 +771,9 @@ def get(
             obj = await api.reservation(name)
             if obj is None:
                 raise Failure(f"no Reservation {api.namespace}/{name} (404)")
-            if output == Output.TABLE:
+            if output.tabular:
                 _print(tables.reservation(obj, now=_now()))
-            elif output == Output.NAME:
+            elif output.kind == Output.NAME:
                 print(_qualified("Reservation", _name_of(obj)))
             else:
                 _dump(obj, output)
@@ -732,9 +784,9 @@ def get(
             api.kube.list(resources.RESERVATIONS, namespace=scope, labels=labels), target
         )
         items.sort(key=lambda o: ((o.get("metadata") or {}).get("namespace") or "", _name_of(o)))
-        if output in (Output.JSON, Output.YAML):
+        if output.structured:
             _dump(_listed(items), output)
-        elif output == Output.NAME:
+        elif output.kind == Output.NAME:
             for obj in items:
                 print(_qualified("Reservation", _name_of(obj)))
         elif not items:
@@ -742,7 +794,11 @@ def get(
             matching = "" if selector is None else f" matching {selector}"
             note(f"No reservations{matching} in {where}.")
         else:
-            _print(tables.reservations(items, now=_now(), namespaces=all_namespaces))
+            _print(
+                tables.reservations(
+                    items, now=_now(), namespaces=all_namespaces, wide=output.kind == Output.WIDE
+                )
+            )
         return 0
 
     _run(ctx, Cluster(kubeconfig, context, namespace), work)
@@ -952,7 +1008,7 @@ def release(
 )
 def pools(
     ctx: typer.Context,
-    output: OutputOption = Output.TABLE,
+    output: OutputOption = TABLE,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
 ) -> None:
@@ -962,9 +1018,9 @@ def pools(
         target = specs.Target("list", "GPUPool", "gpupools")
         items = await api.call(api.kube.list(resources.GPUPOOLS), target)
         items.sort(key=_name_of)
-        if output in (Output.JSON, Output.YAML):
+        if output.structured:
             _dump(_listed(items), output)
-        elif output == Output.NAME:
+        elif output.kind == Output.NAME:
             for pool in items:
                 print(_qualified("GPUPool", _name_of(pool)))
         elif not items:
@@ -1015,7 +1071,7 @@ def find(
             show_default=False,
         ),
     ] = None,
-    output: OutputOption = Output.TABLE,
+    output: OutputOption = TABLE,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
 ) -> None:
@@ -1045,9 +1101,9 @@ def find(
             if not (p.get("spec") or {}).get("archived")
         ]
         rows.sort(key=lambda r: (not r.fits_now, r.start is None, r.start or now, r.pool))
-        if output in (Output.JSON, Output.YAML):
+        if output.structured:
             _dump([r.plain() for r in rows], output)
-        elif output == Output.NAME:
+        elif output.kind == Output.NAME:
             for row in rows:
                 if row.fits_now:
                     print(_qualified("GPUPool", row.pool))
@@ -1076,7 +1132,7 @@ def quota(
         str | None,
         typer.Argument(metavar="TENANT", help="Only this tenant's quotas.", show_default=False),
     ] = None,
-    output: OutputOption = Output.TABLE,
+    output: OutputOption = TABLE,
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
@@ -1094,9 +1150,9 @@ def quota(
                 if (q.get("spec") or {}).get("tenant") == chosen or _name_of(q) == chosen
             ]
         items.sort(key=_name_of)
-        if output in (Output.JSON, Output.YAML):
+        if output.structured:
             _dump(_listed(items), output)
-        elif output == Output.NAME:
+        elif output.kind == Output.NAME:
             for q in items:
                 print(_qualified("GPUQuota", _name_of(q)))
         elif not items:

@@ -61,11 +61,17 @@ def ready_of(obj: Mapping[str, Any]) -> str:
 
 
 def reservations(
-    objs: Sequence[Mapping[str, Any]], *, now: dt.datetime, namespaces: bool = False
+    objs: Sequence[Mapping[str, Any]],
+    *,
+    now: dt.datetime,
+    namespaces: bool = False,
+    wide: bool = False,
 ) -> Table:
-    """NAME, STATE, READY, GPUS, POOL, NODES, START, END (NAMESPACE first with ``-A``)."""
-    headers = ("NAME", "STATE", "READY", "GPUS", "POOL", "NODES", "START", "END")
-    table = _table(*(("NAMESPACE", *headers) if namespaces else headers))
+    """NAME, STATE, READY, GPUS, POOL, END (NAMESPACE first with ``-A``); ``wide`` adds NODES
+    and START before END, and the reservation's ID last. The default fits 100 columns."""
+    headers = ["NAME", "STATE", "READY", "GPUS", "POOL"]
+    headers += ["NODES", "START", "END", "ID"] if wide else ["END"]
+    table = _table(*(["NAMESPACE", *headers] if namespaces else headers))
     for obj in objs:
         status, spec = specs.status_of(obj), obj.get("spec") or {}
         row = [
@@ -74,10 +80,17 @@ def reservations(
             _cell(ready_of(obj)),
             _cell(status.get("gpus")),
             _cell(spec.get("poolId") or status.get("poolId")),
-            _cell(status.get("nodes")),
-            _cell(times.shown(status.get("startTime"), now=now)),
-            _cell(times.shown(status.get("endTime"), now=now)),
         ]
+        end = _cell(times.shown(status.get("endTime"), now=now))
+        if wide:
+            row += [
+                _cell(status.get("nodes")),
+                _cell(times.shown(status.get("startTime"), now=now)),
+                end,
+                _cell(status.get("id")),
+            ]
+        else:
+            row.append(end)
         table.add_row(*([_cell(_namespace(obj)), *row] if namespaces else row))
     return table
 
