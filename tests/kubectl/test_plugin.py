@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -519,6 +520,49 @@ async def test_get_selects_by_label_and_lists_every_namespace_with_a_namespace_c
     both = await plugin.run("get", "vision", "-l", "team=a")
     assert both.code == 2
     assert "give NAME or --selector, not both" in both.err
+
+
+async def _line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 20)
+    assert line, "the watch ended"
+    return line.decode()
+
+
+async def _until(proc: asyncio.subprocess.Process, wanted: str) -> list[str]:
+    """The lines up to and including ``wanted`` (the operator's own status writes are changes
+    too, so other lines may come first)."""
+    lines = [await _line(proc)]
+    while lines[-1] != wanted:
+        lines.append(await _line(proc))
+    return lines
+
+
+async def test_get_watch_prints_each_change_until_interrupted(world: World, plugin: Plugin) -> None:
+    await _placed(plugin, world.kube, "first", "--gpus", "1", "--for", "1h")
+    rows = await plugin.start("get", "-w")
+    names = await plugin.start("get", "-w", "-o", "name", "-l", "team=a")
+    state = await plugin.start("get", "first", "-w", "-o", "jsonpath={.metadata.labels.team}")
+    assert (await _line(rows)).split()[:2] == ["NAME", "STATE"]
+    assert (await _line(rows)).split()[0] == "first"
+    assert await _line(state) == "\n"
+    assert names.stderr is not None  # listed, and nothing matched: watching
+    said = await asyncio.wait_for(names.stderr.readline(), 20)
+    assert said.decode().startswith("No reservations in namespace ml yet; watching (Ctrl-C stops)")
+
+    await world.kube.patch(RESERVATIONS, NS, "first", {"metadata": {"labels": {"team": "a"}}})
+    assert await _line(names) == "reservation.bcd.dev/first\n"
+    assert set(await _until(state, "a\n")) <= {"\n", "a\n"}
+    await _placed(plugin, world.kube, "second", "--gpus", "1", "--for", "1h")
+    async with asyncio.timeout(20):
+        while (await _line(rows)).split()[0] != "second":
+            pass
+
+    for proc in (rows, state, names):
+        proc.send_signal(signal.SIGINT)
+        ran = await finish(proc)
+        assert ran.code == 130, ran.err
+        assert "Error" not in ran.err, ran.err  # as kubectl: Ctrl-C ends it quietly, exit 130
 
 
 async def test_get_of_a_missing_reservation_is_one_line_404(world: World, plugin: Plugin) -> None:

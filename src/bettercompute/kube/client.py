@@ -356,7 +356,7 @@ class KubeClient:
         resource: Any,
         *,
         namespace: str | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str | operators.Operator[Any]] | None = None,
         fields: Mapping[str, str] | None = None,
         resource_version: str | None = None,
         timeout_s: int = WATCH_TIMEOUT_SECONDS,

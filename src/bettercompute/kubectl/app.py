@@ -736,6 +736,7 @@ def _show_created(obj: Mapping[str, Any], output: Format) -> None:
         "kubectl bcd get -n ml",
         "kubectl bcd get -A",
         "kubectl bcd get -l team=vision -n ml",
+        "kubectl bcd get -w -n ml",
         "kubectl bcd get rsv-x7k2p -n ml",
         "kubectl bcd get rsv-x7k2p -n ml -o yaml",
     ),
@@ -755,6 +756,15 @@ def get(
         ),
     ] = False,
     selector: SelectorOption = None,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            "-w",
+            help="After the list (or the one object), print each change as it happens: a row"
+            " (or a name, an object, a template's output) per change, until Ctrl-C.",
+        ),
+    ] = False,
     output: OutputOption = TABLE,
     namespace: NamespaceOption = None,
     kubeconfig: KubeconfigOption = None,
@@ -767,6 +777,8 @@ def get(
     labels = None if selector is None else specs.label_selector(selector)
 
     async def work(api: Api) -> int:
+        if watch:
+            return await _watch(api, name, all_namespaces, labels, output)
         if name is not None:
             obj = await api.reservation(name)
             if obj is None:
@@ -802,6 +814,82 @@ def get(
         return 0
 
     _run(ctx, Cluster(kubeconfig, context, namespace), work)
+
+
+def _show_each(
+    items: Sequence[Mapping[str, Any]], output: Format, *, namespaces: bool, header: bool
+) -> None:
+    """Objects one by one, as ``kubectl get -w`` prints them: rows (the header once), names,
+    or each object (yaml documents separated by ``---``)."""
+    if output.tabular:
+        table = tables.reservations(
+            items, now=_now(), namespaces=namespaces, wide=output.kind == Output.WIDE
+        )
+        table.show_header = header
+        _print(table)
+        return
+    for obj in items:
+        if output.kind == Output.NAME:
+            print(_qualified("Reservation", _name_of(obj)), flush=True)
+        elif output.kind == Output.YAML:
+            sys.stdout.write("---\n")
+            _dump(obj, output)
+        else:
+            _dump(obj, output)
+            if output.kind == Output.JSONPATH:
+                sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+async def _watch(
+    api: Api,
+    name: str | None,
+    all_namespaces: bool,
+    labels: specs.Selector | None,
+    output: Format,
+) -> int:
+    """``get -w``: the list (or the object) now, then each change, until interrupted; a watch
+    the server ends is resumed from the last version seen, a version too old lists again."""
+    scope = None if all_namespaces and name is None else api.namespace
+    fields = None if name is None else {"metadata.name": name}
+    target = specs.Target("watch", "Reservation", "reservations", scope, name)
+    header = True
+    version: str | None = None
+    while True:
+        if version is None:
+            items, version = await api.call(
+                api.kube.list_from(resources.RESERVATIONS, namespace=scope, labels=labels),
+                target,
+            )
+            if name is not None:
+                items = [o for o in items if _name_of(o) == name]
+                if not items and header:
+                    raise Failure(f"no Reservation {api.namespace}/{name} (404)")
+            items.sort(
+                key=lambda o: ((o.get("metadata") or {}).get("namespace") or "", _name_of(o))
+            )
+            if items:
+                _show_each(items, output, namespaces=all_namespaces, header=header)
+                header = False
+            elif header:
+                where = "any namespace" if scope is None else f"namespace {scope}"
+                note(f"No reservations in {where} yet; watching (Ctrl-C stops) …")
+        try:
+            async for kind, obj in api.kube.watch(
+                resources.RESERVATIONS,
+                namespace=scope,
+                labels=labels,
+                fields=fields,
+                resource_version=version,
+            ):
+                version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    _show_each([obj], output, namespaces=all_namespaces, header=header)
+                    header = False
+        except KubeError as e:
+            if e.status != 410:
+                raise Failure(specs.failed_call(e, target, server=api.kube.server)) from None
+            version = None  # too old to resume: list again
 
 
 # --- extend, renew, release ------------------------------------------------------------------
