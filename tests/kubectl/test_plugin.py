@@ -414,6 +414,10 @@ async def test_get_shows_the_row_with_real_times_and_one_with_its_conditions(
         row,
     ), row
 
+    one_row = await plugin.run("get", "train", "-o", "wide")
+    assert one_row.out.splitlines()[0] == wide.out.splitlines()[0]
+    assert one_row.out.split()[-1] == placed["status"]["id"]
+
     detail = await plugin.run("get", "train", "-n", NS)
     assert detail.code == 0, detail.err
     assert re.search(r"Pool:\s+h100", detail.out)

@@ -783,7 +783,9 @@ def get(
             obj = await api.reservation(name)
             if obj is None:
                 raise Failure(f"no Reservation {api.namespace}/{name} (404)")
-            if output.tabular:
+            if output.kind == Output.WIDE:  # one row with every column, as kubectl's
+                _print(tables.reservations([obj], now=_now(), wide=True))
+            elif output.tabular:
                 _print(tables.reservation(obj, now=_now()))
             elif output.kind == Output.NAME:
                 print(_qualified("Reservation", _name_of(obj)))
