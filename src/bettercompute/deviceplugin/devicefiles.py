@@ -283,8 +283,8 @@ class DeviceFiles:
             allocation, releasing_since_ms=releasing_since_ms, nvidia_devices=nvidia_devices
         )
         env = env_text(allocation, nvidia_devices=nvidia_devices)
-        _write_atomically(self.cdi_path(allocation.allocation_id), json.dumps(spec, indent=2))
-        _write_atomically(self.env_path(allocation.allocation_id), env)
+        write_atomically(self.cdi_path(allocation.allocation_id), json.dumps(spec, indent=2))
+        write_atomically(self.env_path(allocation.allocation_id), env)
 
     def matches(self, allocation: Allocation, *, nvidia_devices: Sequence[str] = ()) -> bool:
         """Whether both files exist with exactly the content ``write`` would give them."""
@@ -461,11 +461,14 @@ def read_env(path: Path) -> dict[str, str]:
     return {key: value for key, value in pairs}
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (mode 0644, read by the container runtime) through a
+    temporary file in the same folder, fsynced and renamed over: a reader (the runtime, the
+    next agent) sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -40,15 +40,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from bettercompute.deviceplugin import devicefiles
 from bettercompute.deviceplugin.allocations import Allocations, Held, Phase, is_dra
+from bettercompute.deviceplugin.devicefiles import write_atomically
 from bettercompute.kube import dra
 from bettercompute.kube.names import CDI_KIND
 
@@ -309,7 +308,7 @@ class ClaimFiles:
 
     def write(self, claim: PreparedClaim) -> None:
         try:
-            _write_atomically(self.path(claim.uid), json.dumps(claim_spec(claim), indent=2))
+            write_atomically(self.path(claim.uid), json.dumps(claim_spec(claim), indent=2))
         except OSError as e:
             raise CheckpointError(f"cannot write the CDI spec of claim {claim.holder}: {e}") from e
 
@@ -410,22 +409,6 @@ class PreparedClaims:
             "claims": {uid: c.document() for uid, c in sorted(self._claims.items())},
         }
         try:
-            _write_atomically(self.path, json.dumps(document, indent=2, sort_keys=True))
+            write_atomically(self.path, json.dumps(document, indent=2, sort_keys=True))
         except OSError as e:
             raise CheckpointError(f"cannot write {self.path}: {e}") from e
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    # A reader (the next agent) sees the old file or the new one, never half of one.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
