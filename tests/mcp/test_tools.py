@@ -39,6 +39,7 @@ async def test_the_tools_are_listed_with_descriptions_and_typed_schemas(url: str
     for name, tool in listed.items():
         assert len(tool.description or "") > 80, name
         assert tool.input_schema["type"] == "object", name
+        assert tool.input_schema["additionalProperties"] is False, name
         for field, schema in tool.input_schema["properties"].items():
             assert schema.get("description"), (name, field)
 
@@ -167,6 +168,36 @@ async def test_refusals_are_tool_errors_naming_the_code(url: str):
     assert "count" in error_text(too_many)
     assert unknown.is_error
     assert "NOT_FOUND" in error_text(unknown)
+
+
+async def test_an_unknown_argument_is_refused_by_name_and_nothing_is_booked(
+    url: str, server: Server
+):
+    # An agent guessing the HTTP API's vocabulary: read as a whole GPU, this would book one.
+    async with tools(url) as client:
+        guessed = await client.call_tool(
+            "reserve_gpus", {"pool": "pool_a", "count": 1, "duration": "1h", "mig": "1g.10gb"}
+        )
+        two = await client.call_tool(
+            "find_capacity",
+            {"pool": "pool_a", "count": 1, "duration": "1h", "gpus": 2, "class": "mig"},
+        )
+        on_a_reader = await client.call_tool("list_reservations", {"tenant": "other"})
+        known = await client.call_tool(
+            "reserve_gpus", {"pool": "pool_a", "count": 1, "duration": "1h"}
+        )
+    assert guessed.is_error
+    text = error_text(guessed)
+    assert "INVALID_INPUT: unknown argument(s) mig;" in text
+    assert "this tool takes pool, count, duration, device_class, profile" in text
+    assert two.is_error
+    assert "unknown argument(s) gpus, class;" in error_text(two)
+    assert on_a_reader.is_error
+    assert "unknown argument(s) tenant;" in error_text(on_a_reader)
+    # Only the call with known arguments booked anything.
+    assert not known.is_error
+    listed = await server.call("reservations/list", {"tenantId": "acme"})
+    assert [r["id"] for r in listed["items"]] == [called(known)["reservation"]["id"]]
 
 
 async def test_without_a_token_the_refusal_says_so(url: str):

@@ -10,6 +10,10 @@ A refusal becomes a tool error (``is_error``) whose text starts with the server'
 model reads ``NOT_FOUND: pool not found`` and can correct itself; ``CONFIRMATION_REQUIRED`` is
 an ordinary answer telling the agent to ask the person and retry with the same arguments.
 
+An argument a tool does not take is refused, naming it, and each tool's schema says so
+(``additionalProperties: false``): the SDK's argument models ignore extra keys, so a model that
+guessed ``{"mig": "1g.10gb"}`` would otherwise book a whole GPU without a word.
+
 What this module must never do: write to stdout (the stdio transport owns it; the SDK logs to
 stderr), open a connection of its own (the ``Api`` is handed in by the CLI command, which owns
 the settings and the token), or raise anything but a ``ToolError`` out of a tool for a
@@ -19,14 +23,17 @@ refusal it expected.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.tools import Tool
+from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase
 from mcp.types import ToolAnnotations
-from pydantic import Field
+from pydantic import ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from bettercompute.mcp import door
 from bettercompute.mcp.door import Api, DeviceClass, Devices, Door, Refused, Scope
@@ -113,6 +120,41 @@ def _refusals() -> Iterator[None]:
         raise ToolError(e.text()) from None
 
 
+class _KnownArgumentsOnly(ArgModelBase):
+    """Mixed into each tool's argument model: an unknown key is refused, naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        # Before field validation, so the one error the model reads names every unknown key
+        # and what the tool does take (pydantic's own extra_forbid errors list them one by one).
+        if isinstance(data, dict):
+            known = [field.alias or name for name, field in cls.model_fields.items()]
+            unknown = [str(key) for key in data if key not in known]
+            if unknown:
+                raise PydanticCustomError(
+                    "unknown_argument",
+                    "INVALID_INPUT: unknown argument(s) {unknown}; this tool takes {known}",
+                    {"unknown": ", ".join(unknown), "known": ", ".join(known)},
+                )
+        return data
+
+
+def _strict(tool: Tool) -> Tool:
+    """``tool`` with an argument model (and so an advertised schema) that refuses extra keys."""
+    loose = tool.fn_metadata.arg_model
+    strict = create_model(loose.__name__, __base__=(loose, _KnownArgumentsOnly))
+    metadata_ = tool.fn_metadata.model_copy(update={"arg_model": strict})
+    return tool.model_copy(
+        update={"fn_metadata": metadata_, "parameters": strict.model_json_schema(by_alias=True)}
+    )
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
 def build(
     api: Api,
     *,
@@ -123,15 +165,16 @@ def build(
     """The MCP server over ``api``; ``refusal`` is the exception type its ``call`` raises
     (with ``code``, ``message``, ``details``, ``hint`` and ``exit_code``)."""
     actions = Door(api, refusal=refusal, tenant=tenant, nonce=nonce)
-    server: MCPServer[Any] = MCPServer(
-        NAME,
-        title="Better Compute",
-        instructions=INSTRUCTIONS,
-        version=_version(),
-        log_level="WARNING",
-    )
+    tools: list[Tool] = []
 
-    @server.tool(
+    def tool(annotations: ToolAnnotations) -> Callable[[_Fn], _Fn]:
+        def register(fn: _Fn) -> _Fn:
+            tools.append(_strict(Tool.from_function(fn, annotations=annotations)))
+            return fn
+
+        return register
+
+    @tool(
         annotations=ToolAnnotations(
             title="Reserve GPUs",
             read_only_hint=False,
@@ -188,7 +231,7 @@ def build(
                 wait_seconds=wait_seconds,
             )
 
-    @server.tool(
+    @tool(
         annotations=ToolAnnotations(
             title="Get a reservation", read_only_hint=True, open_world_hint=False
         )
@@ -203,7 +246,7 @@ def build(
         with _refusals():
             return actions.get_reservation(reservation_id)
 
-    @server.tool(
+    @tool(
         annotations=ToolAnnotations(
             title="List reservations", read_only_hint=True, open_world_hint=False
         )
@@ -244,7 +287,7 @@ def build(
                 state=state, scope=scope, pool=pool, limit=limit, cursor=cursor
             )
 
-    @server.tool(
+    @tool(
         annotations=ToolAnnotations(
             title="Extend a reservation",
             read_only_hint=False,
@@ -282,7 +325,7 @@ def build(
         with _refusals():
             return actions.extend_reservation(reservation_id, until=until, by=by)
 
-    @server.tool(
+    @tool(
         annotations=ToolAnnotations(
             title="Release a reservation",
             read_only_hint=False,
@@ -301,7 +344,7 @@ def build(
         with _refusals():
             return actions.release_reservation(reservation_id)
 
-    @server.tool(
+    @tool(
         annotations=ToolAnnotations(
             title="Find capacity", read_only_hint=True, open_world_hint=False
         )
@@ -351,7 +394,14 @@ def build(
                 limit=limit,
             )
 
-    return server
+    return MCPServer(
+        NAME,
+        title="Better Compute",
+        instructions=INSTRUCTIONS,
+        version=_version(),
+        log_level="WARNING",
+        tools=tools,
+    )
 
 
 def serve(
