@@ -12,6 +12,7 @@ from typing import Any
 
 from bettercompute.api import errors
 from bettercompute.core import requests
+from bettercompute.core.errors import ErrorCode
 from bettercompute.store.database import Database
 from tests.api.conftest import POOL, Api, Serve, build_world, create_body
 
@@ -89,6 +90,31 @@ async def test_the_openapi_document_describes_every_operation(api: Api):
     # Every reference resolves.
     for ref in refs(doc):
         assert resolve(doc, ref) is not None
+
+
+def test_only_answers_that_carry_retry_after_ask_a_generic_client_to_retry():
+    # 429 and 503 are what HTTP libraries and proxies retry; only TOO_MANY_REQUESTS and
+    # UNAVAILABLE use them, always with Retry-After (tests/api/test_fairness.py, test_http.py).
+    assert not {429, 503} & set(errors.STATUS.values())
+    assert errors.STATUS[ErrorCode.QUOTA_EXCEEDED] == 403
+    assert errors.STATUS[ErrorCode.CAPACITY_UNAVAILABLE] == 409
+
+
+async def test_the_openapi_document_says_which_code_each_status_carries(api: Api):
+    doc = (await api.client.get("/api/compute/openapi.json")).json()
+    said = {
+        status: resolve(doc, ref)["description"]
+        for status, ref in (
+            (s, doc["paths"]["/api/compute/reservations/create"]["post"]["responses"][s]["$ref"])
+            for s in ("403", "409", "429", "503")
+        )
+    }
+    assert "QUOTA_EXCEEDED" in said["403"]
+    assert "CAPACITY_UNAVAILABLE" in said["409"]
+    assert "TOO_MANY_REQUESTS" in said["429"]
+    assert "QUOTA_EXCEEDED" not in said["429"]
+    assert "UNAVAILABLE" in said["503"]
+    assert "CAPACITY_UNAVAILABLE" not in said["503"]
 
 
 async def test_the_request_schemas_are_the_models(api: Api):

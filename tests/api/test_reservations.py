@@ -93,7 +93,13 @@ async def test_same_key_same_request_returns_the_stored_reservation_without_a_de
 
 async def test_a_draft_left_by_quota_exceeded_is_decided_again(api: Api):
     await inventory.set_quota(api.db, tenant_id="acme", resource="gpu:H100", limit=2)
-    error = await api.error("reservations/create", create_body(), status=429, code="QUOTA_EXCEEDED")
+    # 403 as Kubernetes answers a request over a ResourceQuota: not a 429 a generic client would
+    # retry unchanged, and so no Retry-After.
+    refused = await api.call("reservations/create", create_body())
+    assert refused.status_code == 403, refused.text
+    assert "Retry-After" not in refused.headers
+    error = refused.json()["error"]
+    assert error["code"] == "QUOTA_EXCEEDED"
     assert error["details"]["quota"] == [
         {"resource": "gpu:H100", "requested": 4, "limit": 2, "used": 0}
     ]

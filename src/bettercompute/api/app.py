@@ -38,19 +38,22 @@ bearer token missing or not valid                      401     ``ACCESS_DENIED``
 spent budget                                           402     ``SPEND_LIMIT_REACHED``
 tenant pre-check, policy refusal, refused key          403     ``ACCESS_DENIED``
 delegated session waiting for a person                 403     ``CONFIRMATION_REQUIRED``
+quota short (Kubernetes' answer over a ResourceQuota)  403     ``QUOTA_EXCEEDED``
 reservation, draft or pool not found; unknown route    404     ``NOT_FOUND``
 method other than the route's (e.g. GET on create)     405     ``INVALID_INPUT`` (field
                                                                ``method``)
 headers or body too slow (``api.serving``)             408     ``INVALID_INPUT``
 key reused with another request, extend in flight      409     ``CONFLICT``
 operation not allowed in the reservation's state       409     ``INVALID_STATE``
+no capacity (the pool's state conflicts with it)       409     ``CAPACITY_UNAVAILABLE``
 body over ``max_body_bytes``                           413     ``INVALID_INPUT`` (field
                                                                ``body``)
-quota short                                            429     ``QUOTA_EXCEEDED``
+a client over its share (``api.fairness``)             429     ``TOO_MANY_REQUESTS``
 unexpected server error (logged with the request id)   500     ``INTERNAL``
-no capacity (reservation failed for it)                503     ``CAPACITY_UNAVAILABLE``
 the database cannot be reached; too many connections   503     ``UNAVAILABLE``
 =====================================================  ======  =========================
+
+Only 429 and 503 ask a client to retry the same request, and both carry ``Retry-After``.
 
 The mapping of the guide's codes lives in ``api.errors.STATUS``. What this module must never
 do: speak SQL, decide policy, or answer bad input with a 500 or a traceback.
@@ -69,7 +72,8 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from bettercompute.api import errors, fairness, metrics, openapi, operations, serving
+from bettercompute import console
+from bettercompute.api import errors, fairness, metrics, openapi, operations, serving, sessions
 from bettercompute.core import ids, ports
 from bettercompute.core.errors import ComputeError, StoreError
 from bettercompute.iam.identities import CachingAuthenticator
@@ -137,6 +141,9 @@ def make_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get(f"{operations.PREFIX}/events/watch", _watch_events, name=WATCH)
+    # The web console on the same origin: its pages at / and its sign-in cookie.
+    console.install(app)
+    sessions.install(app, authenticator=app[AUTHENTICATOR], whoami=lambda c: service.whoami(c, {}))
     return app
 
 
@@ -200,21 +207,7 @@ def _check_csrf_header(request: web.Request) -> None:
 
 
 async def _authenticate(request: web.Request) -> ports.Caller:
-    header = request.headers.get("Authorization", "").strip()
-    if not header:
-        raise errors.unauthenticated(
-            "the bearer token is missing: send 'Authorization: Bearer <token>'"
-        )
-    scheme, _, token = header.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise errors.unauthenticated(
-            "the Authorization header is not a bearer token: send 'Authorization: Bearer <token>'"
-        )
-    caller = await request.app[AUTHENTICATOR].authenticate(token)
-    if caller is None:
-        raise errors.unauthenticated("the bearer token is not valid")
-    return caller
+    return await sessions.authenticate(request, request.app[AUTHENTICATOR])
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -345,7 +338,7 @@ async def _pipeline(request: web.Request, handler: Handler) -> web.StreamRespons
         # This client's share (``api.fairness``): over it, this request alone is refused.
         with request.app[serving.SHARES].hold(
             address=request.remote or "",
-            token=fairness.token_key(request.headers.get("Authorization", "")),
+            token=fairness.token_key(sessions.authorization(request)),
             stream=request.match_info.route.name == WATCH,
         ):
             response = await handler(request)

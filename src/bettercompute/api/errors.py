@@ -36,18 +36,24 @@ TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
 #: The ``Server`` header of every answer: a name, never a version of Python or aiohttp.
 SERVER = "better-compute"
 
-#: The HTTP status of each code of the guide.
+#: The HTTP status of each code of the guide. Chosen so a generic client (an HTTP library's
+#: retry policy, a proxy, a dashboard counting 5xx) does the right thing: only 429 and 503 mean
+#: "retry later", and both always come with ``Retry-After`` (``TOO_MANY_REQUESTS``,
+#: ``UNAVAILABLE``). A quota refusal is 403, as Kubernetes answers a request over a
+#: ResourceQuota: retrying it unchanged fails again until something is released. No capacity is
+#: 409, the pool's state conflicting with the request, and not the 503 of a database outage: it
+#: is no fault of the server, and retrying the same request at once does not help.
 STATUS: Mapping[ErrorCode, int] = {
     ErrorCode.INVALID_INPUT: 400,
     ErrorCode.UNSUPPORTED: 400,
     ErrorCode.SPEND_LIMIT_REACHED: 402,
     ErrorCode.ACCESS_DENIED: 403,
     ErrorCode.CONFIRMATION_REQUIRED: 403,
+    ErrorCode.QUOTA_EXCEEDED: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.CONFLICT: 409,
     ErrorCode.INVALID_STATE: 409,
-    ErrorCode.QUOTA_EXCEEDED: 429,
-    ErrorCode.CAPACITY_UNAVAILABLE: 503,
+    ErrorCode.CAPACITY_UNAVAILABLE: 409,
 }
 
 #: Every code an error answer may carry.

@@ -44,17 +44,28 @@ _ERRORS: Mapping[int, tuple[str, str]] = {
     ),
     401: ("Unauthenticated", "ACCESS_DENIED: the bearer token is missing or not valid"),
     402: ("SpendLimitReached", "SPEND_LIMIT_REACHED: the caller's budget is spent"),
-    403: ("Forbidden", "ACCESS_DENIED (tenant pre-check or policy) or CONFIRMATION_REQUIRED"),
+    403: (
+        "Forbidden",
+        "ACCESS_DENIED (tenant pre-check or policy), CONFIRMATION_REQUIRED, or QUOTA_EXCEEDED"
+        " (details.quota lists what is short; retrying unchanged fails again)",
+    ),
     404: ("NotFound", "NOT_FOUND: the reservation or pool, or the route, does not exist"),
     408: ("TimedOut", "INVALID_INPUT with field 'body': the body did not arrive in time"),
     405: ("MethodNotAllowed", "INVALID_INPUT with field 'method': operations are POST only"),
-    409: ("Conflict", "CONFLICT (details.reservationId) or INVALID_STATE"),
+    409: (
+        "Conflict",
+        "CONFLICT (details.reservationId), INVALID_STATE, or CAPACITY_UNAVAILABLE",
+    ),
     413: ("TooLarge", "INVALID_INPUT with field 'body': the body is over the size limit"),
-    429: ("QuotaExceeded", "QUOTA_EXCEEDED: details.quota lists what is short"),
+    429: (
+        "TooManyRequests",
+        "TOO_MANY_REQUESTS: this client is over its share; retry after Retry-After seconds",
+    ),
     500: ("Internal", "INTERNAL: an unexpected server error; details.requestId identifies it"),
     503: (
         "Unavailable",
-        "CAPACITY_UNAVAILABLE, or UNAVAILABLE when the database cannot be reached",
+        "UNAVAILABLE: the database cannot be reached or the server is full; retry after"
+        " Retry-After seconds",
     ),
 }
 
