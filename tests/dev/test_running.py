@@ -315,11 +315,17 @@ def test_the_command_serves_until_sigint_then_exits_0(
     assert scraped.status_code == 200
     assert "bettercompute_quota_limit{" in scraped.text
     assert httpx.get(f"{url}/metrics", timeout=5).status_code == 404
+    # The console on the API's port: / leads to its page.
+    page = httpx.get(f"{url}/", timeout=5, follow_redirects=True)
+    assert page.status_code == 200
+    assert str(page.url) == f"{url}/console/"
+    assert "Content-Security-Policy" in page.headers
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=10)
     assert process.returncode == 0, output
     assert url in output
     assert f"Metrics: {metrics_url}/metrics" in output
+    assert f"Console: {url}/console/" in output
     assert "BETTER_COMPUTE_TOKEN=bcdev_alice_acme" in output
     assert "Traceback" not in output
 

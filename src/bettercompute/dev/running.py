@@ -569,6 +569,7 @@ def print_banner(console: Console, dev: Dev, *, kube: kubernetes.Kube | None = N
     config = dev.loaded.config
     say = console.print
     say(f"[bold green]Better Compute dev[/] is running at [bold]{escape(dev.url)}[/]")
+    say(f"Console: [bold]{escape(dev.url)}/console/[/] (sign in with a token below)")
     # On a port of its own: the figures name every tenant, so the API's port never shows them.
     say(f"Metrics: {escape(dev.metrics_url)}/metrics")
     source = (
