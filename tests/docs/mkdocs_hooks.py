@@ -7,6 +7,11 @@ both: a page may link to a file of the repository outside ``docs/``, and the sit
 link as the file's path in inline code (``examples/pod-reservation.yaml``), to be found in the
 repository. The pages keep working links on GitHub, and the site has no dead ones.
 
+It also shows a repository file as a page: a page holding only
+``<!-- include ../../charts/better-compute/README.md -->`` … ``<!-- end include -->`` (a link
+for GitHub's readers in between) shows that file on the site, its relative links rebased onto
+the page, so the chart's README is read on the site without a second copy to keep in step.
+
 What it must never do: hide a broken link. A link to a repository path that does not exist,
 or to anything outside the repository (``../shared``), is a warning, which fails the strict
 build; links between pages are left to mkdocs, which checks them and their anchors.
@@ -31,6 +36,10 @@ _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]\n]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^
 _ANY_LINK = re.compile(r"!?\[[^\]\n]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _DEFINITION = re.compile(r"^ {0,3}\[[^\]\n]+\]:\s*(?P<target>\S+)", re.MULTILINE)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+# A repository file shown in place of what stands between the two comments.
+_INCLUDE = re.compile(
+    r"^<!-- include (?P<path>\S+) -->\n.*?^<!-- end include -->[ \t]*$", re.MULTILINE | re.DOTALL
+)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
@@ -40,6 +49,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     root = Path(config["config_file_path"]).resolve().parent
     here = (docs / page.file.src_uri).parent
     where = page.file.src_uri
+    markdown = _INCLUDE.sub(lambda m: _included(here, m.group("path")), markdown)
 
     def replace(match: re.Match[str]) -> str:
         target = match.group("target")
@@ -59,6 +69,27 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return _as_path(match.group("text"), shown)
 
     return "".join(_LINK.sub(replace, part) if prose else part for prose, part in _parts(markdown))
+
+
+def _included(here: Path, target: str) -> str:
+    """The file ``target`` (relative to the page's folder ``here``), its relative links
+    rebased from the file's folder onto the page's, so they lead where they led."""
+    source = Path(os.path.normpath(here / target))
+    folder = source.parent
+
+    def rebase(match: re.Match[str]) -> str:
+        link = match.group("target")
+        if link.startswith(("#", "/")) or _SCHEME.match(link):
+            return match.group(0)
+        path, hash_, fragment = link.partition("#")
+        moved = os.path.relpath(os.path.normpath(folder / unquote(path)), here)
+        start, end = match.span("target")
+        whole = match.group(0)
+        offset = match.start()
+        return whole[: start - offset] + moved + hash_ + fragment + whole[end - offset :]
+
+    text = source.read_text(encoding="utf-8")
+    return "".join(_LINK.sub(rebase, part) if prose else part for prose, part in _parts(text))
 
 
 def links(markdown: str) -> list[str]:
