@@ -185,10 +185,30 @@ def test_notes_tell_what_to_do_next(defaults: rendering.Rendered, everything: re
     # The Reservation in the NOTES is one the validating webhook would let through.
     from bettercompute.operator import webhooks
 
-    block = notes.split("cat <<'YAML' | kubectl apply -f -", 1)[1].split("YAML", 1)[0]
-    sample = yaml.safe_load("\n".join(line[5:] for line in block.splitlines()))
-    assert sample["kind"] == "Reservation"
-    assert webhooks.spec_problem(sample["spec"]) is None
+    blocks = [
+        block.split("YAML", 1)[0] for block in notes.split("cat <<'YAML' | kubectl apply -f -")[1:]
+    ]
+    objects = {
+        o["kind"]: o
+        for block in blocks
+        for o in yaml.safe_load_all("\n".join(line[5:] for line in block.splitlines()))
+    }
+    assert set(objects) == {"GPUPool", "GPUQuota", "Reservation", "Pod"}
+    assert webhooks.spec_problem(objects["Reservation"]["spec"]) is None
+    from bettercompute.operator import definitions, quotas
+
+    assert definitions.pool_definition("h100-train", objects["GPUPool"]["spec"]).pool_id
+    assert quotas.parse(objects["GPUQuota"]["spec"]).tenant == "acme"
+    # The pod asks for what the Reservation holds, under the label the pod webhook reads.
+    pod = objects["Pod"]
+    assert pod["metadata"]["labels"] == {"bcd.dev/reservation": "train-1"}
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["limits"] == {"bcd.dev/gpu": 4}
+    # Helm prints these wherever the chart came from: no path of a repository checkout.
+    for text in (notes, everything.notes):
+        assert "examples/" not in text
+        assert ".venv" not in text
+        assert "charts/better-compute" not in text
     # Given the database by host, the NOTES name it and ask for the password's Secret, not for
     # the URL's; they name the pools made.
     assert "create secret generic bc-better-compute-database" not in everything.notes

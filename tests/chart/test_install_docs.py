@@ -69,3 +69,31 @@ def test_the_network_policy_values_open_metrics_to_monitoring_only(
     assert by_port["webhook"] is None  # the API server's address differs by cluster
     assert by_port["http"] == values["networkPolicy"]["httpFrom"]
     assert by_port["metrics"] == values["networkPolicy"]["metricsFrom"]
+
+
+def test_the_verify_checklist_objects_are_ones_the_operator_accepts() -> None:
+    from bettercompute.operator import definitions, quotas, webhooks
+
+    found = [
+        o
+        for block in _YAML.findall((DOCS / "verify.md").read_text(encoding="utf-8"))
+        for o in yaml.safe_load_all(block)
+    ]
+    found += [
+        o
+        for block in re.findall(
+            r"<<'YAML'\n(.*?)^YAML$", (DOCS / "verify.md").read_text(encoding="utf-8"), re.M | re.S
+        )
+        for o in yaml.safe_load_all(block)
+    ]
+    kinds = [o["kind"] for o in found]
+    assert sorted(kinds) == ["GPUPool", "GPUQuota", "Reservation", "Reservation"]
+    for o in found:
+        if o["kind"] == "GPUPool":
+            assert definitions.pool_definition(o["metadata"]["name"], o["spec"]).pool_id
+        elif o["kind"] == "GPUQuota":
+            quota = quotas.parse(o["spec"])
+            # A pool without spec.model charges gpu:other: the quota must name that.
+            assert "gpu:other" in o["spec"]["limits"], quota
+        else:
+            assert webhooks.spec_problem(o["spec"]) is None, o
