@@ -37,6 +37,8 @@ OPERATION_PATHS = {
     "/api/compute/confirmations/list": "ConfirmationListInput",
     "/api/compute/confirmations/approve": "ConfirmationDecisionInput",
     "/api/compute/confirmations/deny": "ConfirmationDecisionInput",
+    "/api/compute/pools/timeline": "TimelineInput",
+    "/api/compute/reservations/history": "HistoryInput",
 }
 
 

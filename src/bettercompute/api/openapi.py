@@ -87,6 +87,8 @@ ANSWERS: Mapping[str, Any] = {
         "DeliveryList",
         "Confirmation",
         "ConfirmationList",
+        "Timeline",
+        "History",
     )
 }
 

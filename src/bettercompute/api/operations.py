@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bettercompute.core import answers, requests, usage
+from bettercompute.core import answers, requests, timelines, usage
 
 PREFIX = "/api/compute"
 
@@ -101,6 +101,13 @@ OPERATIONS: tuple[Operation, ...] = (
         optional=("idempotencyKey",),
     ),
     Operation(
+        name="reservations.history",
+        method="history",
+        model=timelines.HistoryInput,
+        answer="History",
+        summary="A reservation's state transitions (who, why) and its events, oldest first",
+    ),
+    Operation(
         name="whoami",
         method="whoami",
         model=requests.WhoamiInput,
@@ -113,6 +120,13 @@ OPERATIONS: tuple[Operation, ...] = (
         model=requests.PoolsInput,
         answer="PoolList",
         summary="The tenant's pools and what they hold now: devices total, booked and free",
+    ),
+    Operation(
+        name="pools.timeline",
+        method="timeline",
+        model=timelines.TimelineInput,
+        answer="Timeline",
+        summary="A pool's bookings in a window: the tenant's by name, everyone else's as busy",
     ),
     Operation(
         name="quotas.get",

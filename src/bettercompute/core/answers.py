@@ -360,6 +360,122 @@ class ConfirmationList(TypedDict):
     items: list[Confirmation]
 
 
+@with_config(_CLOSED)
+class TimelinePool(TypedDict):
+    id: str
+    name: str
+    sharing: str
+    model: str | None
+    horizon: Annotated[
+        int,
+        Field(description="Two weeks ahead, or the end of the pool's last booking if later (ms)."),
+    ]
+
+
+@with_config(_CLOSED)
+class TimelineDevice(TypedDict):
+    id: Annotated[str, Field(description="The device's id (GPU or MIG UUID, slot id).")]
+    label: Annotated[str, Field(description="'GPU 0', 'GPU 0 · 1g.10gb #2', 'GPU 0 · slot 3'.")]
+    kind: Literal["gpu", "mig", "slot"]
+    healthy: bool
+
+
+@with_config(_CLOSED)
+class TimelineNode(TypedDict):
+    id: str
+    name: str
+    healthy: Annotated[bool, Field(description="Ready and connected: bookable.")]
+    maintenance: Annotated[
+        bool, Field(description="Connected but not ready (cordoned, drained): no new booking.")
+    ]
+    devices: list[TimelineDevice]
+
+
+@with_config(_CLOSED)
+class TimelineReservation(TypedDict):
+    """One of the caller's own reservations on the timeline."""
+
+    id: str
+    name: Annotated[str, Field(description="Its Kubernetes object's namespace/name, else its key.")]
+    state: str
+    spot: bool
+    gpus: Annotated[int, Field(description="Devices asked for, all gang members together.")]
+    start: Ms | None
+    end: Ms | None
+    labels: dict[str, str]
+
+
+@with_config(_CLOSED)
+class TimelinePending(TypedDict):
+    id: str
+    name: str
+    state: str
+    gpus: int
+    requestedStart: Ms | None
+
+
+#: ``[nodeIndex, [deviceIndex, …], start, end, stateCode, ref]``: ``ref`` indexes
+#: ``reservations`` for the caller's own bookings and is null for everyone else's (whose
+#: ``stateCode`` is 0, ``busy``).
+TimelineBooking = Annotated[
+    list[Any],
+    WithJsonSchema(
+        {
+            "type": "array",
+            "prefixItems": [
+                {"type": "integer", "minimum": 0},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                {"type": "integer"},
+                {"type": "integer"},
+                {"type": "integer", "minimum": 0},
+                {"type": ["integer", "null"], "minimum": 0},
+            ],
+            "minItems": 6,
+            "maxItems": 6,
+        }
+    ),
+]
+
+
+@with_config(_CLOSED)
+class Timeline(TypedDict):
+    """A pool's bookings in ``[from, to)``, compact: devices and reservations by index."""
+
+    pool: TimelinePool
+    now: Ms
+    from_: Annotated[int, Field(alias="from", description="Epoch milliseconds.")]
+    to: Annotated[int, Field(description="Epoch milliseconds, exclusive.")]
+    nodes: list[TimelineNode]
+    bookings: list[TimelineBooking]
+    states: Annotated[list[str], Field(description="What a booking's stateCode indexes.")]
+    reservations: list[TimelineReservation]
+    pending: list[TimelinePending]
+
+
+@with_config(_CLOSED)
+class Transition(TypedDict):
+    at: Annotated[str, Field(description="RFC 3339, UTC.")]
+    from_: Annotated[str | None, Field(alias="from")]
+    to: str
+    reason: str | None
+    actor: Annotated[str | None, Field(description="Who made it, when a caller did.")]
+
+
+@with_config(_CLOSED)
+class HistoryEvent(TypedDict):
+    type: str
+    at: Annotated[str, Field(description="RFC 3339, UTC.")]
+    message: NotRequired[str]
+
+
+@with_config(_CLOSED)
+class History(TypedDict):
+    """A reservation's state transitions and its events, oldest first."""
+
+    items: list[Transition]
+    events: list[HistoryEvent]
+
+
 class AuthorizationRow(TypedDict):
     """What a read, release or extend decision sees of a stored reservation and its pool."""
 

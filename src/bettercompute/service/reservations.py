@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 from bettercompute import supervising
 from bettercompute.core import answers, errors, ids, pools, ports, requests, states
 from bettercompute.core import attestation as attestation_
+from bettercompute.core import timelines as core_timelines
 from bettercompute.core import usage as core_usage
 from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, ErrorCode, StoreError
@@ -48,6 +49,7 @@ from bettercompute.store import (
     searching,
     stats,
     subscriptions,
+    timelines,
     views,
 )
 from bettercompute.store import pools as store_pools
@@ -787,6 +789,30 @@ class ReservationService:
         value = requests.parse(requests.PoolsInput, data)
         self._precheck(caller, value.tenantId)
         return {"items": await capacity.pools(self.db, tenant_id=value.tenantId)}
+
+    async def timeline(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``pools.timeline``: the pool's bookings in a window, the caller's tenant's by name
+        and everyone else's as ``busy`` (members of the root tenant see every one by name);
+        the pool as ``pools.list`` shows it to the tenant, else ``NOT_FOUND``."""
+        value = requests.parse(core_timelines.TimelineInput, data)
+        tenant_id = value.tenantId or caller.tenant_id
+        await self.read_tenant(caller, tenant_id, what="read the pool timeline of")
+        everyone = self.root_tenant_id is not None and caller.tenant_id == self.root_tenant_id
+        answer = await timelines.read(self.db, value, tenant_id=tenant_id, everyone=everyone)
+        if answer is None:
+            raise errors.not_found("pool")
+        return answer
+
+    async def history(self, caller: ports.Caller, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``reservations.history``: the reservation's transitions and events, read as
+        ``get`` reads it (the same ``NOT_FOUND`` for what the caller may not see)."""
+        value = requests.parse(core_timelines.HistoryInput, data)
+        get = requests.GetInput(tenantId=value.tenantId or caller.tenant_id, reservationId=value.id)
+        self._precheck(caller, get.tenantId)
+        get = await self._full_id(caller, get)
+        await self._visible(caller, get.tenantId, get.reservationId, ports.READ)
+        transitions, events = await timelines.history(self.db, reservation_id=get.reservationId)
+        return core_timelines.history(transitions, events)
 
     async def read_tenant(self, caller: ports.Caller, tenant_id: str, *, what: str) -> None:
         """The pre-check, then the policy's ``read`` on the tenant (``reservations.list``,
