@@ -11,6 +11,8 @@ export const PALETTE = {
   active: "#009E73",
   releasing: "#CC79A7",
   spot: "#D55E00",
+  // One's own reservation that was released, expired, cancelled or failed: its past stays.
+  ended: "#e3e3e3",
   pending: "#0072B2",
   window: "#F0E442",
   unhealthy: "#D55E00",

@@ -121,6 +121,8 @@ function historyStrip(items) {
 
 export async function reservationView(main, session, id) {
   const box = h("div", {});
+  // Kept across reloads of the page's facts: what the last action answered stays in view.
+  const outcome = h("div", { id: "action-outcome", "aria-live": "polite" });
   fill(main, h("p", {}, h("a", { href: "#/reservations" }, "← All reservations")), box);
 
   async function load() {
@@ -139,7 +141,6 @@ export async function reservationView(main, session, id) {
     }
     const binding = r.binding || {};
     const actions = h("div", { class: "actions", id: "actions" });
-    const outcome = h("div", { id: "action-outcome", "aria-live": "polite" });
     fill(box,
       h("div", { class: "view-head" }, h("h1", {}, h("span", { class: "name" }, r.idempotencyKey)), stateTag(r.state)),
       h("dl", { class: "facts" },

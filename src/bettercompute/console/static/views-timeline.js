@@ -4,9 +4,12 @@
 import { PALETTE, api, activatable, duration, errorBox, fill, h, newKey, notice, time } from "./lib.js";
 import { drawTimeline } from "./timeline.js";
 
+const ENDED = new Set(["released", "expired", "cancelled", "failed"]);
+const LISTED = 50;
+
 const STATE_NAMES = [
   ["active", "active"], ["binding", "binding"], ["placed", "placed"], ["releasing", "releasing"],
-  ["spot", "spot"], ["busy", "busy (someone else)"],
+  ["spot", "spot"], ["ended", "ended"], ["busy", "busy (someone else)"],
 ];
 
 function legend() {
@@ -71,12 +74,17 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
         ` · ${p.gpus} devices · wants `, time(p.requestedStart)),
       () => { location.hash = `#/reservations/${encodeURIComponent(p.id)}`; }, `Open ${p.name || p.id}`))
       : h("li", { class: "muted" }, "Nothing waiting."));
-    const own = tl.reservations.slice().sort((a, b) => a.start - b.start);
+    // The live ones, soonest first, at most LISTED: a busy pool's tenant may hold thousands,
+    // all of them on the grid; the list is for reading and the keyboard.
+    const live = tl.reservations.filter((r) => !ENDED.has(r.state) && r.end > tl.now).sort((a, b) => a.start - b.start);
+    const own = live.slice(0, LISTED);
     fill(mine, own.length ? own.map((r) => activatable(
       h("li", { class: "row", dataset: { id: r.id } }, colourTag(r), " ", h("span", { class: "name" }, r.name || r.id),
         h("br"), h("span", { class: "muted" }, `${r.gpus} devices · `), time(r.start), " → ", time(r.end)),
       () => { location.hash = `#/reservations/${encodeURIComponent(r.id)}`; }, `Open ${r.name || r.id}`))
-      : h("li", { class: "muted" }, "None from the last day to the horizon. Use Find a window to book."));
+      : h("li", { class: "muted" }, "None from the last day to the horizon. Use Find a window to book."),
+    live.length > LISTED ? h("li", { class: "muted" }, `… and ${live.length - LISTED} more: see `,
+      h("a", { href: "#/reservations" }, "Reservations"), ".") : null);
     fill(nodes, tl.nodes.map((node, n) => {
       const button = h("button", { type: "button", "aria-expanded": drawn && drawn.isExpanded(n) ? "true" : "false",
         dataset: { node: node.id } },
@@ -270,7 +278,10 @@ export async function findView(main, session, poolArg) {
 
   function pick(w, body) {
     const key = newKey("console");
-    const createBody = { ...body, start: w.start, idempotencyKey: key };
+    // A window that opens now is booked from now (a start already past by the click would
+    // ask for a window partly gone). The body is fixed here: a retry sends it unchanged.
+    const createBody = { ...body, idempotencyKey: key };
+    if (w.start > Date.now() + 60e3) createBody.start = w.start;
     const outcome = h("div", { id: "booking-outcome", "aria-live": "polite" });
     const reserve = h("button", { type: "button", id: "reserve", class: "primary" }, "Reserve");
     reserve.addEventListener("click", async () => {
