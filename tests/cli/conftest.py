@@ -27,6 +27,12 @@ from bettercompute.iam.identities import StaticTokenAuthenticator
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.database import Database
 from tests.conftest import caller
+from tests.kubectl.test_plugin import (  # noqa: F401 - fixtures: test_vocabulary runs kubectl bcd
+    chart_webhooks,
+    operator,
+    plugin,
+    world,
+)
 from tests.support.world import World
 
 ALICE = "alice-token"

@@ -108,7 +108,7 @@ async def test_reserve_with_a_reused_key_and_another_request_is_a_conflict(cli: 
     first = await reserve_json(cli, "--key", "train-conflict")
     result = await cli(*RESERVE, "--gpus", "3", "--for", "8h", "--key", "train-conflict")
 
-    assert result.rc == 1, result
+    assert result.rc == 6, result
     assert "Error CONFLICT:" in result.stderr
     assert first["id"] in result.stderr  # details.reservationId
     assert "Traceback" not in result.stderr
@@ -116,7 +116,7 @@ async def test_reserve_with_a_reused_key_and_another_request_is_a_conflict(cli: 
 
 
 async def test_reserve_with_wait_zero_answers_at_once(cli: Cli):
-    result = await cli(*RESERVE, "--gpus", "1", "--for", "90m", "--wait", "0", "-o", "json")
+    result = await cli(*RESERVE, "--gpus", "1", "--for", "90m", "--no-wait", "-o", "json")
 
     assert result.rc == 0, result
     data = result.json()
@@ -128,7 +128,7 @@ async def test_reserve_with_wait_zero_answers_at_once(cli: Cli):
 async def test_reserve_sends_every_request_option(cli: Cli):
     # pool_a shares whole GPUs: the server judges MIG; the CLI only sent the right body.
     mig = await cli(*RESERVE, "--mig", "1g.10gb", "--count", "2", "--for", "1h")
-    assert mig.rc == 1, mig
+    assert mig.rc == 2, mig
     assert "Error INVALID_INPUT: devices[0].class:" in mig.stderr
 
     start = int(time.time() * 1000) + 2 * HOUR_MS
@@ -290,7 +290,7 @@ async def test_get_shows_the_reservation_and_query_picks_a_part(cli: Cli):
 
 async def test_get_of_an_unknown_reservation_is_not_found(cli: Cli):
     result = await cli("reservations", "get", "rsv_nothing", "--tenant", "acme")
-    assert result.rc == 1, result
+    assert result.rc == 4, result
     assert result.stderr.startswith("Error NOT_FOUND: ")
 
 
@@ -337,7 +337,7 @@ async def test_list_shows_mine_or_all_filtered_and_paged(cli: Cli):
     assert len(rest.json()["items"]) == 2
 
     bad_state = await cli("reservations", "list", "--tenant", "acme", "--state", "sleeping")
-    assert bad_state.rc == 1, bad_state
+    assert bad_state.rc == 2, bad_state
     assert "Error INVALID_INPUT: state: unknown state 'sleeping'" in bad_state.stderr
 
 
@@ -373,7 +373,7 @@ async def test_extend_by_and_until(cli: Cli):
 async def test_renew_needs_a_lease(cli: Cli):
     plain = await reserve_json(cli)
     refused = await cli("renew", plain["id"], "--tenant", "acme")
-    assert refused.rc == 1, refused
+    assert refused.rc == 6, refused
     assert refused.stderr.startswith("Error INVALID_STATE: ")
 
     leased = await reserve_json(cli, "--lease", "600")
@@ -394,7 +394,7 @@ async def test_release_and_cancel(cli: Cli):
     assert cancelled.json()["state"] == "cancelled"
 
     again = await cli("cancel", first["id"], "--tenant", "acme")
-    assert again.rc == 1, again
+    assert again.rc == 6, again
     assert again.stderr.startswith("Error INVALID_STATE: ")
 
 
@@ -414,19 +414,19 @@ async def test_an_unreachable_server_exits_3_naming_the_url(tmp_path: Path):
 
 async def test_a_missing_token_is_access_denied_with_a_hint(cli: Cli):
     result = await cli("reservations", "list", "--tenant", "acme", token=None)
-    assert result.rc == 1, result
+    assert result.rc == 5, result
     assert result.stderr.startswith("Error ACCESS_DENIED: the bearer token is missing")
     assert "Hint: no token was sent: pass --token, set $BETTER_COMPUTE_TOKEN" in result.stderr
 
     wrong = await cli("reservations", "list", "--tenant", "acme", token="not-a-token")
-    assert wrong.rc == 1, wrong
+    assert wrong.rc == 5, wrong
     assert wrong.stderr.startswith("Error ACCESS_DENIED: the bearer token is not valid")
     assert "Hint" not in wrong.stderr
 
 
 async def test_another_tenant_is_refused(cli: Cli):
     result = await cli("reservations", "list", "--tenant", "globex")
-    assert result.rc == 1, result
+    assert result.rc == 5, result
     assert result.stderr.startswith("Error ACCESS_DENIED: ")
 
 
@@ -546,11 +546,12 @@ async def test_reserve_wait_for_a_state(cli: Cli):
     placed = await cli(*RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "placed", "-o", "json")
     assert placed.rc == 0, placed
     assert placed.json()["state"] == "placed"
-    # No node binds here: it is not active within the second, which is an answer, not an error.
+    # No node binds here: it is not active within the second, and the wait ran out (exit 7);
+    # the reservation stands.
     waited = await cli(
-        *RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "active", "--wait", "1"
+        *RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "active", "--timeout", "1s"
     )
-    assert waited.rc == 0, waited
+    assert waited.rc == 7, waited
     assert re.search(r"is (placed|binding), not active; follow it with", waited.stderr), waited
     bad = await cli(*RESERVE, "--gpus", "1", "--for", "1h", "--wait-for", "bound")
     assert bad.rc == 2, bad
@@ -603,7 +604,7 @@ async def test_watch_refuses_a_busy_interval_and_an_unknown_reservation(cli: Cli
     assert fast.rc == 2, fast
     assert "--every" in fast.stderr, fast
     missing = await cli("watch", "rsv_doesnotexist", "--tenant", "acme", "--for", "1s")
-    assert missing.rc == 1, missing
+    assert missing.rc == 4, missing
     assert "NOT_FOUND" in missing.stderr, missing
 
 
@@ -632,5 +633,5 @@ async def test_watch_events_prints_the_tenants_events_live(cli: Cli):
 
 async def test_watch_events_of_another_tenant_is_refused(cli: Cli):
     refused = await cli("watch", "--events", "--tenant", "globex", "--for", "1s")
-    assert refused.rc == 1, refused
+    assert refused.rc == 5, refused
     assert "ACCESS_DENIED" in refused.stderr, refused

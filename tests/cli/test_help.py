@@ -12,9 +12,9 @@ import pytest
 from tests.cli.conftest import run_cli
 
 COMMANDS = [
-    ((), "better-compute reserve --tenant acme --pool pool_01k… --gpus 4 --for 8h --nvlink"),
-    (("reserve",), "better-compute reserve --tenant acme --pool pool_01k… --gpus 2 --for 8h"),
-    (("capacity",), "better-compute capacity --tenant acme --preview --pool pool_01k…"),
+    ((), "better-compute reserve --tenant acme --pool pool_h100 --gpus 4 --for 8h --nvlink"),
+    (("reserve",), "better-compute reserve --tenant acme --pool pool_h100 --gpus 2 --for 8h"),
+    (("capacity",), "better-compute capacity --tenant acme --preview --pool pool_h100"),
     (("reservations",), "better-compute reservations get rsv_… --tenant acme --query binding"),
     (("reservations", "get"), "better-compute reservations get rsv_… --tenant acme --query"),
     (("reservations", "list"), "better-compute reservations list --tenant acme"),
@@ -42,7 +42,10 @@ async def test_every_command_help_has_a_description_and_an_example(tmp_path: Pat
 @pytest.mark.parametrize(
     ("command", "words"),
     [
-        (("reserve",), ["--for", "--wait", "--key", "--kubernetes", "--url", "--output"]),
+        (
+            ("reserve",),
+            ["--for", "--timeout", "--no-wait", "--key", "--binding", "--url", "--output"],
+        ),
         (("extend",), ["--until", "--by", "--key", "+12h"]),
         (("reservations", "list"), ["--all", "--state", "--limit", "--cursor"]),
     ],

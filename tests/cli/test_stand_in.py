@@ -99,7 +99,7 @@ async def test_reserve_follows_a_queued_reservation_until_it_is_placed(
 ):
     stand_in.gets = [QUEUED, QUEUED, PLACED]
 
-    result = await reserve(stand_in, tmp_path, "--wait", "25", "-o", "json")
+    result = await reserve(stand_in, tmp_path, "--timeout", "25s", "-o", "json")
 
     assert result.rc == 0, result
     assert result.json() == PLACED  # the last read, exactly
@@ -117,10 +117,10 @@ async def test_reserve_stops_polling_at_the_wait_deadline(stand_in: StandIn, tmp
     stand_in.gets = [QUEUED]
 
     started = time.monotonic()
-    result = await reserve(stand_in, tmp_path, "--wait", "2")
+    result = await reserve(stand_in, tmp_path, "--timeout", "2s")
     took = time.monotonic() - started
 
-    assert result.rc == 0, result  # a timeout is not an error
+    assert result.rc == 7, result  # the wait ran out; the request stands
     assert "state" in result.stdout
     assert "Queued (PoolPlacer): next batch" in result.stdout
     assert f"{RID} is still queued" in result.stderr
@@ -157,7 +157,7 @@ async def test_reserve_with_wait_zero_sends_no_wait_and_does_not_poll(
 ):
     stand_in.gets = [PLACED]
 
-    result = await reserve(stand_in, tmp_path, "--wait", "0", "-o", "yaml")
+    result = await reserve(stand_in, tmp_path, "--no-wait", "-o", "yaml")
 
     assert result.rc == 0, result
     assert stand_in.paths() == ["/api/compute/reservations/create"]
@@ -191,3 +191,20 @@ async def test_an_internal_error_exits_1_with_its_details(stand_in: StandIn, tmp
     assert as_json.rc == 1, as_json
     assert '"requestId": "req_1"' in as_json.stderr
     assert as_json.stdout == ""
+
+
+async def test_reserve_reads_the_renamed_flags_old_spellings(stand_in: StandIn, tmp_path: Path):
+    old = await reserve(stand_in, tmp_path, "--kubernetes", "--wait", "0", "--lease", "600")
+    assert old.rc == 0, old
+    new = await reserve(
+        stand_in, tmp_path, "--binding", "kubernetes", "--no-wait", "--lease", "10m"
+    )
+    assert new.rc == 0, new
+    (_, _, first), (_, _, second) = stand_in.seen
+    assert first["binding"] == second["binding"] == "kubernetes"
+    assert "wait" not in first
+    assert "wait" not in second
+    assert first["leaseSeconds"] == second["leaseSeconds"] == 600
+    both = await reserve(stand_in, tmp_path, "--timeout", "5s", "--no-wait")
+    assert both.rc == 2, both
+    assert "--no-wait" in both.stderr

@@ -56,17 +56,17 @@ async def test_create_list_delete(cli: Cli, server: Server):
     assert gone.rc == 0, gone
     assert "disabled" in gone.stdout
     again = await cli("subscriptions", "delete", sub["id"])
-    assert again.rc == 1, again
+    assert again.rc == 4, again
     assert "Error NOT_FOUND" in again.stderr
 
 
 async def test_bad_input_is_the_servers_refusal_naming_the_field(cli: Cli):
     bad_url = await cli("subscriptions", "create", "--url", "ftp://hooks.example.com/x")
-    assert bad_url.rc == 1, bad_url
+    assert bad_url.rc == 2, bad_url
     assert "Error INVALID_INPUT" in bad_url.stderr
     assert "url" in bad_url.stderr
     bad_type = await cli("subscriptions", "create", "--url", HOOK, "--event", "reservation.nope")
-    assert bad_type.rc == 1, bad_type
+    assert bad_type.rc == 2, bad_type
     assert "eventTypes[0]" in bad_type.stderr
     no_url = await cli("subscriptions", "create")
     assert no_url.rc == 2, no_url  # a usage error: --url is required

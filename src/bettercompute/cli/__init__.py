@@ -4,7 +4,7 @@ Why a package of its own: the CLI is one of the doors (beside the HTTP API and t
 turns flags into the guide's JSON bodies, sends them over HTTP with ``httpx``, and turns the
 answer back into tables, JSON or YAML. Modules:
 
-- ``app``: the typer commands and ``main`` (exit codes: 1 refused, 2 usage, 3 unreachable);
+- ``app``: the typer commands and ``main`` (exit codes: ``core.exits``, shared with kubectl bcd);
 - ``options``: the flags the commands share, and the checks that run as they are parsed;
 - ``settings``: URL, token, tenant and output from flags, environment and the config file;
 - ``parsing``: pure readers for durations, times (``+12h``, ISO 8601, epoch ms), query paths;

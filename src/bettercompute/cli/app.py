@@ -3,8 +3,9 @@ renew, release, cancel, subscriptions create/list/delete/deliveries and dev.
 
 Why this shape: each command only translates. Flags become the guide's JSON body (``bodies``),
 one HTTP call answers (``client``), and the answer is printed (``output``). Every failure is a
-``client.Failure`` reported in one place with its exit code: 1 when the server refused, 2 for a
-usage error, 3 when the server cannot be reached.
+``client.Failure`` reported in one place with its exit code from the table both CLIs share
+(``core.exits``, docs/cli.md): 2 usage, 3 unreachable, 4 not found, 5 refused, 6 conflict,
+7 a wait that ran out.
 
 What this module must never do: import ``store``, ``service`` or ``api``, import
 ``bettercompute.dev`` outside the ``dev`` command (so ``--help`` works without it), retry a
@@ -40,6 +41,7 @@ from bettercompute.cli import (
     watching,
 )
 from bettercompute.cli.settings import Output
+from bettercompute.core.exits import Exit
 
 app = typer.Typer(
     name="better-compute",
@@ -49,7 +51,7 @@ app = typer.Typer(
     ),
     epilog=(
         "Examples:\n\n"
-        "  better-compute reserve --tenant acme --pool pool_01k… --gpus 4 --for 8h --nvlink\n"
+        "  better-compute reserve --tenant acme --pool pool_h100 --gpus 4 --for 8h --nvlink\n"
         "  better-compute reservations list --tenant acme\n"
         "  better-compute dev --sim 2\n\n"
         "Settings: --url, --token and --tenant also come from $BETTER_COMPUTE_URL,"
@@ -122,8 +124,10 @@ app.command("usage", epilog=usage.EXAMPLES)(usage.usage)
 ANSWER_GRACE_S = 15.0
 #: The longest the server holds a create (the guide's cap on ``wait.timeoutMs``).
 SERVER_WAIT_CAP_S = 30.0
-#: How long --wait-for waits when --wait gives no time.
+#: How long --wait-for waits when --timeout gives no time.
 WAIT_FOR_DEFAULT_S = 600.0
+#: How long reserve waits for a queued reservation when neither --timeout nor --no-wait is given.
+DEFAULT_WAIT_S = 20.0
 
 
 def _examples(*lines: str) -> str:
@@ -199,14 +203,15 @@ def _ask(
         "Reserve GPUs, MIG instances or slots of a pool for a time window.\n\n"
         "Sends reservations.create with a new idempotency key, printed, unless --key is"
         " given: running the same command again with that key reaches the same reservation."
-        " With --wait it follows a queued reservation until it is placed."
+        " It waits up to --timeout (20s) for a queued reservation to be placed; past it, the"
+        " request stands and it exits 7."
     ),
     epilog=_examples(
-        "better-compute reserve --tenant acme --pool pool_01k… --gpus 4 --for 8h --nvlink"
+        "better-compute reserve --tenant acme --pool pool_h100 --gpus 4 --for 8h --nvlink"
         " --key train-2026-09-24",
-        "better-compute reserve --tenant acme --pool pool_01k… --gpus 2 --for 8h --cpus 32"
+        "better-compute reserve --tenant acme --pool pool_h100 --gpus 2 --for 8h --cpus 32"
         " --memory 256",
-        "better-compute reserve --tenant acme --pool pool_01k… --mig 1g.10gb --count 2"
+        "better-compute reserve --tenant acme --pool pool_a100_mig --mig 1g.10gb --count 2"
         " --for 90m --start +2h",
     ),
 )
@@ -223,13 +228,14 @@ def reserve(
     gang: options.GangOption = None,
     cpus: options.CpusOption = None,
     memory: options.MemoryOption = None,
+    binding: options.BindingOption = None,
     kubernetes: options.KubernetesOption = False,
     wait_for_state: Annotated[
         options.WaitFor | None,
         typer.Option(
             "--wait-for",
             help="Wait until it is 'placed' or 'active' (its devices bound), or ends; for"
-            " --wait seconds, else 10 minutes. Not reaching it is not an error.",
+            " --timeout, else 10 minutes. Not reaching it exits 7 (the request stands).",
             rich_help_panel=options.OPTIONS,
         ),
     ] = None,
@@ -242,16 +248,7 @@ def reserve(
             rich_help_panel=options.OPTIONS,
         ),
     ] = False,
-    lease: Annotated[
-        int | None,
-        typer.Option(
-            "--lease",
-            help="A renewable lease of this many seconds; renew it before it lapses.",
-            min=60,
-            max=30 * 86_400,
-            rich_help_panel=options.OPTIONS,
-        ),
-    ] = None,
+    lease: options.LeaseOption = None,
     project: Annotated[
         str | None,
         typer.Option("--project", help="Project id to charge.", rich_help_panel=options.OPTIONS),
@@ -268,25 +265,18 @@ def reserve(
             rich_help_panel=options.OPTIONS,
         ),
     ] = None,
-    wait: Annotated[
-        int,
-        typer.Option(
-            "--wait",
-            help=(
-                "Seconds to wait for a queued reservation to be placed; 0 answers at once."
-                " A timeout is not an error."
-            ),
-            min=0,
-            max=86_400,
-            rich_help_panel=options.OPTIONS,
-        ),
-    ] = 20,
+    timeout: options.TimeoutOption = None,
+    no_wait: options.NoWaitOption = False,
+    old_wait: options.OldWaitOption = None,
     url: options.UrlOption = None,
     token: options.TokenOption = None,
     out: options.OutputOption = None,
 ) -> None:
     """Reserve GPUs, MIG instances or slots of a pool for a time window."""
     wait_for = None if wait_for_state is None else wait_for_state.value
+    given_wait = options.wait_seconds(timeout, old_wait, no_wait=no_wait)
+    wait = DEFAULT_WAIT_S if given_wait is None else given_wait
+    kubernetes = options.kubernetes_binding(binding, kubernetes)
     with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         tenant_id = calls.tenant(found)
@@ -312,13 +302,18 @@ def reserve(
             if start == options.EARLIEST:
                 ask = dataclasses.replace(ask, start_ms=_earliest(api, ask))
             body = bodies.create(
-                ask, key=chosen_key, wait_s=wait, spot=spot, lease_seconds=lease, project=project
+                ask,
+                key=chosen_key,
+                wait_s=wait,
+                spot=spot,
+                lease_seconds=options.lease_seconds(lease),
+                project=project,
             )
             # Printed before sending: whatever happens next, the person can retry with it.
             _print_key(chosen_key, given=key is not None)
             view = api.call("reservations/create", body)
             if wait > 0 or wait_for is not None:
-                if wait_for is not None and wait == 0:
+                if wait_for is not None and given_wait is None:
                     deadline = time.monotonic() + WAIT_FOR_DEFAULT_S
                 try:
                     view = waiting.follow(
@@ -334,11 +329,15 @@ def reserve(
             output.note(f"Warning: {never}; change the request or the pool, or release it")
         if waiting.still_running(view):
             output.note(waiting.waited_line(view, tenant=tenant_id))
-        elif wait_for is not None and view.get("state") != wait_for:
+            if wait > 0:
+                raise typer.Exit(Exit.WAIT_RAN_OUT)
+        elif wait_for is not None and not waiting.reached(view, wait_for):
             output.note(
                 f"{view.get('id')} is {view.get('state')}, not {wait_for}; follow it with"
                 f" `better-compute reservations get {view.get('id')} --tenant {tenant_id}`"
             )
+            ended = view.get("state") in waiting.ENDED
+            raise typer.Exit(Exit.FAILED if ended else Exit.WAIT_RAN_OUT)
 
 
 def _earliest(api: client.ApiClient, ask: bodies.Ask) -> int:
@@ -363,11 +362,11 @@ def _earliest(api: client.ApiClient, ask: bodies.Ask) -> int:
         "and so is each window --find answers (at that moment)."
     ),
     epilog=_examples(
-        "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 2 --for 8h"
+        "better-compute capacity --tenant acme --preview --pool pool_h100 --gpus 2 --for 8h"
         " --cpus 32 --memory 256",
-        "better-compute capacity --tenant acme --preview --pool pool_01k… --gpus 8 --gang 2"
+        "better-compute capacity --tenant acme --preview --pool pool_h100 --gpus 8 --gang 2"
         " --for 3d --start 2026-09-28T09:00:00Z",
-        "better-compute capacity --tenant acme --find --pool pool_01k… --gpus 8 --for 24h"
+        "better-compute capacity --tenant acme --find --pool pool_h100 --gpus 8 --for 24h"
         " --from +2d --horizon 7d",
     ),
 )
@@ -400,12 +399,14 @@ def capacity(
     gang: options.GangOption = None,
     cpus: options.CpusOption = None,
     memory: options.MemoryOption = None,
+    binding: options.BindingOption = None,
     kubernetes: options.KubernetesOption = False,
     url: options.UrlOption = None,
     token: options.TokenOption = None,
     out: options.OutputOption = None,
 ) -> None:
     """Preview whether a reservation would fit, or find when it would, booking nothing."""
+    kubernetes = options.kubernetes_binding(binding, kubernetes)
     if preview == find:
         raise typer.BadParameter(
             "capacity needs exactly one of --preview (now) or --find (the earliest windows)",
@@ -502,7 +503,7 @@ def reservations_get(
     "list",
     epilog=_examples(
         "better-compute reservations list --tenant acme",
-        "better-compute reservations list --tenant acme --all --state active --pool pool_01k…",
+        "better-compute reservations list --tenant acme --all --state active --pool pool_h100",
         "better-compute reservations list --tenant acme --limit 20 --cursor rsv_…",
     ),
 )
@@ -674,7 +675,7 @@ def subscriptions_deliveries(
     epilog=_examples(
         "better-compute watch --tenant acme",
         "better-compute watch rsv_01k4z9xq --tenant acme",
-        "better-compute watch --tenant acme --all --pool pool_01k… --every 5s",
+        "better-compute watch --tenant acme --all --pool pool_h100 --every 5s",
     ),
 )
 def watch(

@@ -1,8 +1,8 @@
 """What every command does around its call to the server: report a refusal, find the tenant.
 
 Why one place: a refusal must read the same from every command (``Error CODE: message`` and
-the exit code of its kind: 1 refused, 2 usage, 3 unreachable), and every command finds its
-tenant the same way (flag, environment, config file, else the token's own from ``whoami``).
+the exit code of its kind from ``core.exits``: 2 usage, 3 unreachable, 4 not found, …), and
+every command finds its tenant the same way (flag, environment, config file, else the token's own from ``whoami``).
 The command modules (``app``, ``confirmations``, ``usage``) share these.
 
 What it must never do: print anything but the refusal it was handed, or guess a tenant the

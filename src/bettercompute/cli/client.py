@@ -8,9 +8,10 @@ with an exit code the user can script against.
 Hierarchy::
 
     Failure                 message (+ code, details, hint from the server or from us)
-      exit_code 1           the server refused (its code: NOT_FOUND, CONFLICT, ...)
-      exit_code 2           the command line or config file is wrong (nothing was sent)
-      exit_code 3           the server could not be reached or did not speak the API
+      exit_code             from the one table both CLIs share (``core.exits``): the server's
+                            code picks it (NOT_FOUND 4, QUOTA_EXCEEDED 5, CONFLICT 6, ...);
+                            2 when the command line or config file is wrong (nothing was
+                            sent), 3 when the server could not be reached or did not speak it
 
 What this module must never do: retry a request on its own (a create is idempotent only with the
 same key, which the command owns), print anything, or let an ``httpx`` exception escape.
@@ -26,9 +27,10 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
+from bettercompute.core.exits import Exit, for_error_code
+
+EXIT_USAGE = Exit.USAGE
+EXIT_UNREACHABLE = Exit.UNREACHABLE
 
 API_PREFIX = "/api/compute/"
 USER_AGENT = "better-compute-cli/0.1"
@@ -43,14 +45,16 @@ class Failure(Exception):
         *,
         code: str | None = None,
         details: dict[str, Any] | None = None,
-        exit_code: int = EXIT_REFUSED,
+        exit_code: int | None = None,
         hint: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
         self.details: dict[str, Any] = dict(details or {})
-        self.exit_code = exit_code
+        # Unless the failure says otherwise, its code picks the exit (a code the table does not
+        # know, or none, is 1: failed).
+        self.exit_code = int(for_error_code(code)) if exit_code is None else exit_code
         self.hint = hint
 
 
@@ -189,7 +193,6 @@ class ApiClient:
             str(error.get("message") or "the server refused the request"),
             code=code,
             details=details if isinstance(details, dict) else {},
-            exit_code=EXIT_REFUSED,
             hint=hint,
         )
 

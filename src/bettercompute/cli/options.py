@@ -204,14 +204,125 @@ MemoryOption = Annotated[
         rich_help_panel=REQUEST,
     ),
 ]
-KubernetesOption = Annotated[
-    bool,
+
+
+class Binding(enum.StrEnum):
+    """``--binding``: how the devices are handed over (the spelling ``kubectl bcd`` shares)."""
+
+    hold = "hold"
+    kubernetes = "kubernetes"
+
+
+BindingOption = Annotated[
+    Binding | None,
     typer.Option(
-        "--kubernetes",
-        help="binding: kubernetes, for pods through the bcd.dev device plugin.",
+        "--binding",
+        help="How the devices are handed over: hold (default: to software on the node) or"
+        " kubernetes (to pods, through the bcd.dev device plugin).",
+        case_sensitive=False,
+        show_default=False,
         rich_help_panel=REQUEST,
     ),
 ]
+#: The old spelling of ``--binding kubernetes``, still read (docs/cli.md, "Renamed flags").
+KubernetesOption = Annotated[bool, typer.Option("--kubernetes", hidden=True)]
+
+
+def kubernetes_binding(binding: Binding | None, kubernetes: bool) -> bool:
+    """Whether ``--binding kubernetes`` (or its old spelling ``--kubernetes``) was given."""
+    if kubernetes and binding == Binding.hold:
+        raise typer.BadParameter(
+            "--kubernetes is the old spelling of --binding kubernetes: give one",
+            param_hint="'--binding'",
+        )
+    return kubernetes or binding == Binding.kubernetes
+
+
+def check_wait(value: str | None) -> str | None:
+    """``--timeout``: a duration (20s, 5m); 0 answers at once, at most a day."""
+    if value is not None and value.strip() != "0":
+        check_duration(value)
+        if parsing.parse_duration(value) > 86_400_000:
+            raise typer.BadParameter("wait at most a day (24h)")
+    return value
+
+
+def wait_seconds(timeout: str | None, old_wait: int | None, *, no_wait: bool) -> float | None:
+    """The wait in seconds from ``--timeout``, ``--no-wait`` or the old ``--wait SECONDS``;
+    ``None`` when none was given (the command's default applies)."""
+    given = [
+        name
+        for name, value in (("--timeout", timeout), ("--wait", old_wait), ("--no-wait", no_wait))
+        if value not in (None, False)
+    ]
+    if len(given) > 1:
+        raise typer.BadParameter(
+            f"give one of --timeout or --no-wait (got {' and '.join(given)})",
+            param_hint=f"'{given[-1]}'",
+        )
+    if no_wait:
+        return 0.0
+    if old_wait is not None:
+        return float(old_wait)
+    if timeout is None:
+        return None
+    return 0.0 if timeout.strip() == "0" else parsing.parse_duration(timeout) / 1000
+
+
+TimeoutOption = Annotated[
+    str | None,
+    typer.Option(
+        "--timeout",
+        help="How long to wait for the answer (20s, 5m; 0 answers at once). Past it the"
+        " request stands and the command exits 7. Default 20s.",
+        callback=check_wait,
+        show_default=False,
+        rich_help_panel=OPTIONS,
+    ),
+]
+NoWaitOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-wait",
+        help="Answer at once: do not wait for a queued reservation (as --timeout 0).",
+        rich_help_panel=OPTIONS,
+    ),
+]
+
+
+def check_lease(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            seconds = lease_seconds(value)
+        except parsing.ParseError as e:
+            raise typer.BadParameter(str(e)) from None
+        if seconds is not None and not 60 <= seconds <= 30 * 86_400:
+            raise typer.BadParameter("a lease is 1m to 30d")
+    return value
+
+
+def lease_seconds(value: str | None) -> int | None:
+    """``--lease 1h`` in seconds; a bare number is the old form, in seconds."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isascii() and text.isdigit():
+        return int(text)
+    return parsing.parse_duration(text) // 1000
+
+
+LeaseOption = Annotated[
+    str | None,
+    typer.Option(
+        "--lease",
+        help="A renewable lease this long (30m, 2h; 1m to 30d): renew it before it lapses.",
+        callback=check_lease,
+        show_default=False,
+        rich_help_panel=OPTIONS,
+    ),
+]
+#: The old ``--wait SECONDS``, still read (docs/cli.md, "Renamed flags").
+OldWaitOption = Annotated[int | None, typer.Option("--wait", min=0, max=86_400, hidden=True)]
 
 FromOption = Annotated[
     str | None,

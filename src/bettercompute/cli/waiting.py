@@ -31,6 +31,16 @@ FIRST_POLL_S = 0.25
 LAST_POLL_S = 2.0
 
 
+#: What ``--wait-for`` a state is satisfied by: a reservation past ``placed`` was placed.
+REACHED = {"placed": ("placed", "binding", "active"), "active": ("active",)}
+
+
+def reached(view: Any, until: str) -> bool:
+    """True when ``view``'s state is ``until`` or past it (``--wait-for``)."""
+    state = view.get("state") if isinstance(view, dict) else None
+    return state in REACHED.get(until, (until,))
+
+
 def still_running(view: Any) -> bool:
     """True while the reservation's operation is ``running`` (a draft or ``Queued``)."""
     if not isinstance(view, dict):
@@ -59,7 +69,7 @@ def follow(
         if until is None:
             return still_running(current)
         state = current.get("state") if isinstance(current, dict) else None
-        return still_running(current) or state not in (until, *ENDED)
+        return still_running(current) or not (reached(current, until) or state in ENDED)
 
     if not waiting(view):
         return view

@@ -5,8 +5,9 @@ Each command reads the user's kubeconfig (``kube.client.kube_config``: ``--kubec
 ``$KUBECONFIG``, the pod's service account, ``~/.kube/config``; ``--context`` picks a
 context), writes or reads our custom resources with ``KubeClient`` as that identity, and waits
 on the object's ``status`` where the operator answers. What to write and how to read the answer
-is ``specs``; what to print is ``tables``. Exit codes: 0 done, 1 refused or failed (one line
-naming the object and the HTTP status), 2 a usage error or a wait that ran out.
+is ``specs``; what to print is ``tables``. Exit codes are the table both CLIs share
+(``core.exits``, docs/cli.md): 0 done, 2 usage, 3 unreachable, 4 not found, 5 refused,
+6 conflict, 7 a wait that ran out, 1 anything else; the failure is one line naming the object.
 
 What this module must never do: import ``store``, ``service``, ``operator``, ``api`` or the
 HTTP CLI, stamp who asked (the admission webhook does, from the API server's own word), retry a
@@ -35,6 +36,7 @@ from lightkube import ConfigError
 from lightkube.config.kubeconfig import KubeConfig
 from rich.console import Console, RenderableType
 
+from bettercompute.core.exits import Exit, for_http_status
 from bettercompute.kube import names, resources
 from bettercompute.kube.client import (
     SERVICE_ACCOUNT_DIR,
@@ -73,8 +75,9 @@ app = typer.Typer(
         "Cluster: --kubeconfig (else $KUBECONFIG, the pod's service account, ~/.kube/config),"
         " --context (else the current context) and -n/--namespace (else the context's"
         " namespace, else default) go before or after the command.\n\n"
-        "Exit codes: 0 done; 1 refused, not found, forbidden or failed; 2 a usage error, or a"
-        " wait that ran out (--timeout)."
+        "Exit codes (the same for better-compute): 0 done; 1 failed; 2 a usage error; 3 the"
+        " API server cannot be reached; 4 not found; 5 refused (forbidden, policy, quota,"
+        " never fits); 6 a conflict; 7 a wait that ran out (--timeout)."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -158,7 +161,9 @@ class Failure(Exception):
     """What a command reports on stderr as ``Error: message`` (and ``Hint: hint``), with its
     exit code."""
 
-    def __init__(self, message: str, *, exit_code: int = 1, hint: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, exit_code: int = Exit.FAILED, hint: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
@@ -188,7 +193,7 @@ def _reporting() -> Iterator[None]:
                 " as your cluster's login tool does)"
             )
         note(f"Error: {said}")
-        raise typer.Exit(1) from None
+        raise typer.Exit(Exit.USAGE) from None
     except specs.UsageError as e:
         raise typer.BadParameter(str(e), param_hint=f"'{e.option}'") from None
 
@@ -264,7 +269,7 @@ TimeoutOption = Annotated[
     str,
     typer.Option(
         "--timeout",
-        help="How long to wait for the operator's answer (5m, 90s); past it, exit 2.",
+        help="How long to wait for the operator's answer (5m, 90s); past it, exit 7.",
         callback=_check_duration,
     ),
 ]
@@ -290,13 +295,19 @@ SelectorOption = Annotated[
         callback=_check_selector,
     ),
 ]
+#: ``--class`` and ``--profile``: the old spellings of ``--mig PROFILE`` and ``--slots N``,
+#: still read (docs/cli.md, "Renamed flags").
+OldClassOption = Annotated[
+    DeviceClass | None, typer.Option("--class", case_sensitive=False, hidden=True)
+]
+OldProfileOption = Annotated[str | None, typer.Option("--profile", hidden=True)]
 NameArgument = Annotated[str, typer.Argument(metavar="NAME", help="The Reservation's name.")]
 #: How long extend, renew and release wait for the operator's answer.
 AnswerTimeoutOption = Annotated[
     str,
     typer.Option(
         "--timeout",
-        help="How long to wait for the operator's answer; past it, exit 2.",
+        help="How long to wait for the operator's answer; past it, exit 7.",
         callback=_check_duration,
     ),
 ]
@@ -368,15 +379,18 @@ def _session(ctx: typer.Context, local: Cluster) -> Session:
     if context is not None:
         if context not in config.contexts:
             known = ", ".join(sorted(config.contexts)) or "none"
-            raise Failure(f"--context {context}: {source} has no such context (it has: {known})")
+            raise Failure(
+                f"--context {context}: {source} has no such context (it has: {known})",
+                exit_code=Exit.USAGE,
+            )
         config.current_context = context
         source = f"{source.split(' (context')[0]} (context {context!r})"
     try:
         current = config.get()
     except (ConfigError, KeyError) as e:  # a context naming a cluster or user the file lacks
-        raise Failure(f"{source}: the context names no {e} entry") from None
+        raise Failure(f"{source}: the context names no {e} entry", exit_code=Exit.USAGE) from None
     if current is None or not current.cluster.server:
-        raise Failure(f"{source}: the context's cluster has no server")
+        raise Failure(f"{source}: the context's cluster has no server", exit_code=Exit.USAGE)
     namespace = (
         local.namespace
         or outer.namespace
@@ -409,7 +423,10 @@ class Api:
         try:
             return await call
         except KubeError as e:
-            raise Failure(specs.failed_call(e, target, server=self.kube.server)) from None
+            raise Failure(
+                specs.failed_call(e, target, server=self.kube.server),
+                exit_code=for_http_status(e.status),
+            ) from None
 
     def target(self, verb: str, name: str | None = None) -> specs.Target:
         return specs.Target(verb, "Reservation", "reservations", self.namespace, name)
@@ -426,7 +443,7 @@ class Api:
             self.target("patch", name),
         )
         if patched is None:
-            raise Failure(f"no Reservation {self.namespace}/{name} (404)")
+            raise Failure(f"no Reservation {self.namespace}/{name} (404)", exit_code=Exit.NOT_FOUND)
         return patched
 
     async def wait(
@@ -523,8 +540,14 @@ async def _only_pool(api: Api) -> str:
         note(f"Pool: {live[0]} (the only GPUPool)")
         return live[0]
     if not live:
-        raise Failure("no GPUPool in this cluster: give --pool, or ask your platform team")
-    raise Failure(f"this cluster has {len(live)} GPUPools: give --pool (one of: {', '.join(live)})")
+        raise Failure(
+            "no GPUPool in this cluster: give --pool, or ask your platform team",
+            exit_code=Exit.NOT_FOUND,
+        )
+    raise Failure(
+        f"this cluster has {len(live)} GPUPools: give --pool (one of: {', '.join(live)})",
+        exit_code=Exit.USAGE,
+    )
 
 
 @app.command(
@@ -535,14 +558,15 @@ async def _only_pool(api: Api) -> str:
         " as your own identity, then waits until its Ready condition is True (its devices are"
         " bound) and prints its nodes and window. With --start later than now it returns once"
         " the window is booked (Placed), since Ready comes only at the start. A refusal (quota,"
-        " policy, an unknown pool), a reservation that can never fit the pool, or one that ends"
-        " exits 1 with the operator's reason; the object stays, for `kubectl bcd get NAME`."
+        " policy; 4 for an unknown pool) or a reservation that can never fit the pool exits 5,"
+        " one that ends exits 1, each with the operator's reason; the object stays, for"
+        " `kubectl bcd get NAME`."
         " Without --pool, the cluster's only GPUPool is used."
     ),
     epilog=_examples(
         "kubectl bcd reserve --gpus 4 --for 8h --nvlink -n ml",
         "kubectl bcd reserve train-1 --pool h100 --gpus 8 --for 2d --start 2026-12-24T08:00:00Z",
-        "kubectl bcd reserve --pool a100-mig --class mig --profile 1g.10gb --gpus 2 --for 90m",
+        "kubectl bcd reserve --pool a100-mig --mig 1g.10gb --count 2 --for 90m",
         "kubectl bcd reserve --gpus 8 --gang 4 --for 12h --binding kubernetes --no-wait",
     ),
 )
@@ -566,15 +590,37 @@ def reserve(
         ),
     ] = None,
     gpus: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--gpus",
-            "--count",
-            help="How many devices of --class on each node: whole GPUs by default.",
+            help="Whole GPUs on each node (default 1 when neither --mig nor --slots is given).",
             min=1,
             max=1024,
+            show_default=False,
         ),
-    ] = 1,
+    ] = None,
+    mig: Annotated[
+        str | None,
+        typer.Option(
+            "--mig", help="MIG instances of this profile, such as 1g.10gb.", show_default=False
+        ),
+    ] = None,
+    count: Annotated[
+        int | None,
+        typer.Option(
+            "--count",
+            help="How many MIG instances (with --mig; default 1).",
+            min=1,
+            max=1024,
+            show_default=False,
+        ),
+    ] = None,
+    slots: Annotated[
+        int | None,
+        typer.Option(
+            "--slots", help="Time-slice or MPS slots.", min=1, max=1024, show_default=False
+        ),
+    ] = None,
     pool: Annotated[
         str | None,
         typer.Option(
@@ -604,20 +650,8 @@ def reserve(
             show_default=False,
         ),
     ] = None,
-    device_class: Annotated[
-        DeviceClass,
-        typer.Option(
-            "--class",
-            help="gpu (whole GPUs), mig (MIG instances, with --profile) or slot (shared slots).",
-            case_sensitive=False,
-        ),
-    ] = DeviceClass.GPU,
-    profile: Annotated[
-        str | None,
-        typer.Option(
-            "--profile", help="The MIG profile for --class mig: 1g.10gb.", show_default=False
-        ),
-    ] = None,
+    device_class: OldClassOption = None,
+    profile: OldProfileOption = None,
     gang: Annotated[
         int | None,
         typer.Option(
@@ -647,16 +681,25 @@ def reserve(
         raise typer.BadParameter("must not be empty", param_hint="'NAME'")
     wait_s = _seconds(timeout)
     start_at = None if start is None else times.rfc3339(times.parse_when(start, now=_now()))
+    with _reporting():
+        kind = specs.devices(
+            gpus=gpus,
+            mig=mig,
+            count=count,
+            slots=slots,
+            old_class=None if device_class is None else device_class.value,
+            old_profile=profile,
+        )
 
     async def work(api: Api) -> int:
         ask = specs.Ask(
             pool=pool or await _only_pool(api),
-            count=gpus,
+            count=kind.count,
             duration=times.parse_duration(duration)[0],
-            device_class=device_class.value,
+            device_class=kind.device_class,
             start=start_at,
             nvlink=nvlink,
-            profile=profile,
+            profile=kind.profile,
             gang=gang,
             binding=None if binding is None else binding.value,
             spot=spot,
@@ -680,13 +723,14 @@ def reserve(
             raise Failure(
                 f"timed out after {timeout} waiting for Reservation {where} to be"
                 f" {specs.waiting_for(obj, 'Ready')}",
-                exit_code=2,
+                exit_code=Exit.WAIT_RAN_OUT,
                 hint=f"it stays: follow it with `kubectl bcd get {made} -n {api.namespace}`,"
                 f" or end it with `kubectl bcd release {made} -n {api.namespace}`",
             )
         if not outcome.ok:
             raise Failure(
                 f"Reservation {where}: {outcome.message}",
+                exit_code=outcome.exit,
                 hint=f"the object stays: see `kubectl bcd get {made} -n {api.namespace}`;"
                 f" delete it with `kubectl delete reservation {made} -n {api.namespace}`",
             )
@@ -702,11 +746,11 @@ def reserve(
         specs.reservation(
             specs.Ask(
                 pool="-",
-                count=gpus,
+                count=kind.count,
                 duration=duration,
-                device_class=device_class.value,
+                device_class=kind.device_class,
                 nvlink=nvlink,
-                profile=profile,
+                profile=kind.profile,
             ),
             namespace="-",
             name=None,
@@ -782,7 +826,9 @@ def get(
         if name is not None:
             obj = await api.reservation(name)
             if obj is None:
-                raise Failure(f"no Reservation {api.namespace}/{name} (404)")
+                raise Failure(
+                    f"no Reservation {api.namespace}/{name} (404)", exit_code=Exit.NOT_FOUND
+                )
             if output.kind == Output.WIDE:  # one row with every column, as kubectl's
                 _print(tables.reservations([obj], now=_now(), wide=True))
             elif output.tabular:
@@ -866,7 +912,9 @@ async def _watch(
             if name is not None:
                 items = [o for o in items if _name_of(o) == name]
                 if not items and header:
-                    raise Failure(f"no Reservation {api.namespace}/{name} (404)")
+                    raise Failure(
+                        f"no Reservation {api.namespace}/{name} (404)", exit_code=Exit.NOT_FOUND
+                    )
             items.sort(
                 key=lambda o: ((o.get("metadata") or {}).get("namespace") or "", _name_of(o))
             )
@@ -890,7 +938,10 @@ async def _watch(
                     header = False
         except KubeError as e:
             if e.status != 410:
-                raise Failure(specs.failed_call(e, target, server=api.kube.server)) from None
+                raise Failure(
+                    specs.failed_call(e, target, server=api.kube.server),
+                    exit_code=for_http_status(e.status),
+                ) from None
             version = None  # too old to resume: list again
 
 
@@ -901,9 +952,9 @@ async def _watch(
     help=(
         "Move a reservation's end later, decided by policy like a create.\n\n"
         "Give --by or --until. Sets spec.extendBy or spec.until with a new spec.extendKey and"
-        " waits for the operator's answer in status.extension. Exit 0 when extended; exit 1"
-        " when another booking starts first (it prints until when the devices are free) or"
-        " the extend is refused."
+        " waits for the operator's answer in status.extension. Exit 0 when extended; exit 6"
+        " when another booking starts first (it prints until when the devices are free);"
+        " exit 5 when the extend is refused."
     ),
     epilog=_examples(
         "kubectl bcd extend rsv-x7k2p --by 4h -n ml",
@@ -956,7 +1007,7 @@ def extend(
             raise Failure(
                 f"timed out after {timeout} waiting for the operator to answer the extend of"
                 f" Reservation {where} (status.extension.key {key})",
-                exit_code=2,
+                exit_code=Exit.WAIT_RAN_OUT,
             )
         if obj is None:
             raise Failure(f"Reservation {where} was deleted while waiting")
@@ -967,14 +1018,16 @@ def extend(
             return 0
         why = specs.refused(obj, "extend")
         if why is not None:
-            raise Failure(f"Reservation {where}: extend refused: {why}")
+            raise Failure(
+                f"Reservation {where}: extend refused: {why}", exit_code=specs.refusal_exit(obj)
+            )
         free = times.shown(extension.get("availableUntil"), now=_now())
         print(
             f"reservation.bcd.dev/{name} not extended: another booking starts first; its"
             f" devices are free until {free}; it still ends {end}",
             flush=True,
         )
-        return 1
+        return Exit.CONFLICT
 
     _run(ctx, Cluster(kubeconfig, context, namespace), work)
 
@@ -1010,13 +1063,15 @@ def renew(
             raise Failure(
                 f"timed out after {timeout} waiting for the operator to renew Reservation"
                 f" {where} (status.renewed {value})",
-                exit_code=2,
+                exit_code=Exit.WAIT_RAN_OUT,
             )
         if obj is None:
             raise Failure(f"Reservation {where} was deleted while waiting")
         why = specs.refused(obj, "renew")
         if why is not None:
-            raise Failure(f"Reservation {where}: renew refused: {why}")
+            raise Failure(
+                f"Reservation {where}: renew refused: {why}", exit_code=specs.refusal_exit(obj)
+            )
         expires = times.shown(specs.status_of(obj).get("leaseExpiresAt"), now=_now())
         print(f"reservation.bcd.dev/{name} renewed: the lease now expires {expires}", flush=True)
         return 0
@@ -1046,7 +1101,7 @@ def release(
         where = f"{api.namespace}/{name}"
         current = await api.reservation(name)
         if current is None:
-            raise Failure(f"no Reservation {where} (404)")
+            raise Failure(f"no Reservation {where} (404)", exit_code=Exit.NOT_FOUND)
         already = specs.ended(current)
         if already is not None:
             print(f"reservation.bcd.dev/{name} is already {already}", flush=True)
@@ -1070,14 +1125,16 @@ def release(
             raise Failure(
                 f"timed out after {timeout} waiting for Reservation {where} to be"
                 f" {specs.waiting_for(obj, 'released')}",
-                exit_code=2,
+                exit_code=Exit.WAIT_RAN_OUT,
             )
         if obj is None:
             print(f"reservation.bcd.dev/{name} released (the object is gone)", flush=True)
             return 0
         why = specs.refused(obj, "release")
         if why is not None and not specs.ended(obj):
-            raise Failure(f"Reservation {where}: release refused: {why}")
+            raise Failure(
+                f"Reservation {where}: release refused: {why}", exit_code=specs.refusal_exit(obj)
+            )
         print(f"reservation.bcd.dev/{name} {specs.state(obj)}", flush=True)
         return 0
 
@@ -1139,9 +1196,31 @@ def pools(
 def find(
     ctx: typer.Context,
     gpus: Annotated[
-        int,
-        typer.Option("--gpus", "--count", help="How many devices.", min=1, max=1024),
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--gpus", help="How many whole GPUs (default 1).", min=1, max=1024, show_default=False
+        ),
+    ] = None,
+    mig: Annotated[
+        str | None,
+        typer.Option(
+            "--mig",
+            help="MIG instances (of this profile, such as 1g.10gb: pool status counts any).",
+            show_default=False,
+        ),
+    ] = None,
+    count: Annotated[
+        int | None,
+        typer.Option(
+            "--count", help="How many MIG instances (with --mig; default 1).", min=1, max=1024
+        ),
+    ] = None,
+    slots: Annotated[
+        int | None,
+        typer.Option(
+            "--slots", help="Time-slice or MPS slots.", min=1, max=1024, show_default=False
+        ),
+    ] = None,
     duration: Annotated[
         str,
         typer.Option(
@@ -1152,28 +1231,32 @@ def find(
         str | None,
         typer.Option("--pool", help="Only this GPUPool.", show_default=False),
     ] = None,
-    device_class: Annotated[
-        DeviceClass | None,
-        typer.Option(
-            "--class",
-            help="gpu, mig or slot (else the class each pool's sharing mode hands out).",
-            case_sensitive=False,
-            show_default=False,
-        ),
-    ] = None,
+    device_class: OldClassOption = None,
     output: OutputOption = TABLE,
     kubeconfig: KubeconfigOption = None,
     context: ContextOption = None,
 ) -> None:
     """Where N devices are free now, else when each pool next frees one (from pool status)."""
     length_ms = times.parse_duration(duration)[1]
+    chosen: str | None = None
+    wanted = count or 1
+    if (gpus, mig, slots, device_class) != (None, None, None, None):
+        with _reporting():
+            kind = specs.devices(
+                gpus=gpus,
+                mig=mig,
+                count=count,
+                slots=slots,
+                old_class=None if device_class is None else device_class.value,
+            )
+        chosen, wanted = kind.device_class, kind.count
 
     async def work(api: Api) -> int:
         if pool is not None:
             target = specs.Target("get", "GPUPool", "gpupools", None, pool)
             one = await api.call(api.kube.get(resources.GPUPOOLS, pool), target)
             if one is None:
-                raise Failure(f"no GPUPool {pool} (404)")
+                raise Failure(f"no GPUPool {pool} (404)", exit_code=Exit.NOT_FOUND)
             items = [one]
         else:
             target = specs.Target("list", "GPUPool", "gpupools")
@@ -1182,9 +1265,9 @@ def find(
         rows = [
             specs.find(
                 p,
-                count=gpus,
+                count=wanted,
                 duration_ms=length_ms,
-                device_class=None if device_class is None else device_class.value,
+                device_class=chosen,
                 now=now,
             )
             for p in sorted(items, key=_name_of)

@@ -21,6 +21,7 @@ from typing import Any
 from lightkube import operators
 
 from bettercompute.core import states
+from bettercompute.core.exits import Exit, for_error_code
 from bettercompute.kube import names
 from bettercompute.kube.client import KubeError
 from bettercompute.kubectl import times
@@ -62,16 +63,69 @@ class Ask:
     spot: bool = False
 
 
+@dataclass(frozen=True)
+class Devices:
+    """What ``--gpus N``, ``--mig PROFILE [--count N]`` or ``--slots N`` ask for."""
+
+    device_class: str
+    count: int
+    profile: str | None = None
+
+
+def devices(
+    *,
+    gpus: int | None,
+    mig: str | None,
+    count: int | None,
+    slots: int | None,
+    old_class: str | None = None,
+    old_profile: str | None = None,
+) -> Devices:
+    """The devices of the options both CLIs share (docs/cli.md): ``--gpus N``, ``--mig PROFILE
+    [--count N]`` or ``--slots N``. The old spellings still read the same: ``--class CLASS``
+    with ``--gpus``/``--count N`` and ``--profile P``, and ``--count N`` alone for ``--gpus N``."""
+    if old_class is not None or old_profile is not None:
+        if mig is not None or slots is not None:
+            raise UsageError(
+                "--class and --profile are the old spellings of --mig and --slots: use one form",
+                option="--class",
+            )
+        if gpus is not None and count is not None:
+            raise UsageError("give --gpus or --count, not both", option="--count")
+        chosen = old_class or ("mig" if old_profile else "gpu")
+        return Devices(chosen, gpus or count or 1, old_profile)
+    given = [n for n, v in (("--gpus", gpus), ("--mig", mig), ("--slots", slots)) if v is not None]
+    if len(given) > 1:
+        raise UsageError(
+            f"give one of --gpus N, --mig PROFILE or --slots N (got {' and '.join(given)})",
+            option=given[-1],
+        )
+    if mig is not None:
+        return Devices("mig", count or 1, mig)
+    if count is not None and gpus is not None:
+        raise UsageError(
+            "--count is the number of MIG instances: use it with --mig", option="--count"
+        )
+    if count is not None and slots is not None:
+        raise UsageError(
+            "--count is the number of MIG instances: use it with --mig", option="--count"
+        )
+    if slots is not None:
+        return Devices("slot", slots)
+    # --count alone is the old spelling of --gpus.
+    return Devices("gpu", gpus or count or 1)
+
+
 def reservation(ask: Ask, *, namespace: str, name: str | None) -> dict[str, Any]:
     """The Reservation to create: ``name``, else ``metadata.generateName: rsv-``."""
     if ask.device_class not in DEVICE_CLASSES:
         raise UsageError(f"must be one of {', '.join(DEVICE_CLASSES)}", option="--class")
     if ask.device_class == "mig" and not ask.profile:
-        raise UsageError("--class mig needs a MIG profile, such as 1g.10gb", option="--profile")
+        raise UsageError("--class mig needs a MIG profile, such as 1g.10gb", option="--mig")
     if ask.profile and ask.device_class != "mig":
         raise UsageError("a MIG profile is for --class mig only", option="--profile")
     if ask.nvlink and ask.device_class != "gpu":
-        raise UsageError("--nvlink is for whole GPUs (--class gpu) only", option="--nvlink")
+        raise UsageError("--nvlink is for whole GPUs (--gpus N) only", option="--nvlink")
     if ask.binding is not None and ask.binding not in BINDINGS:
         raise UsageError(f"must be one of {', '.join(BINDINGS)}", option="--binding")
     device: dict[str, Any] = {"class": ask.device_class, "count": ask.count}
@@ -189,28 +243,37 @@ def why_ended(obj: Mapping[str, Any] | None) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A wait's end: ``ok`` or not, and what to say."""
+    """A wait's end: ``ok`` or not, what to say, and the exit code it ends the command with."""
 
     ok: bool
     message: str
+    exit: Exit = Exit.OK
+
+
+def refusal_exit(obj: Mapping[str, Any] | None) -> Exit:
+    """The exit code of the ``Refused`` condition: its reason is the server's error code
+    (``NOT_FOUND`` for an unknown pool is 4), and any other refusal is 5."""
+    found = holding(obj, "Refused") or {}
+    chosen = for_error_code(str(found.get("reason") or ""))
+    return Exit.REFUSED if chosen == Exit.FAILED else chosen
 
 
 def reserved(obj: Mapping[str, Any] | None, *, now: dt.datetime) -> Outcome | None:
     """Whether ``reserve`` is done waiting: Ready (or placed for a later start), refused,
     ended, or never able to fit; ``None`` to keep waiting."""
     if obj is None:
-        return Outcome(False, "it was deleted while waiting")
+        return Outcome(False, "it was deleted while waiting", Exit.FAILED)
     why = refused(obj)
     if why is not None:
-        return Outcome(False, f"refused: {why}")
+        return Outcome(False, f"refused: {why}", refusal_exit(obj))
     gone = ended(obj)
     if gone is not None:
-        return Outcome(False, f"it is {gone}: {why_ended(obj)}")
+        return Outcome(False, f"it is {gone}: {why_ended(obj)}", Exit.FAILED)
     if is_true(obj, "Ready"):
         return Outcome(True, "Ready")
     never = never_fits(obj)
     if never is not None:
-        return Outcome(False, f"it cannot be placed: {never}")
+        return Outcome(False, f"it cannot be placed: {never}", Exit.REFUSED)
     start = times.read(status_of(obj).get("startTime"))
     if is_true(obj, "Placed") and start is not None and start > now:
         # Ready comes only at the start; its window is booked, which is what was asked.
