@@ -2,7 +2,8 @@
 
 Why one place: a refusal must read the same from every command (``Error CODE: message`` and
 the exit code of its kind from ``core.exits``: 2 usage, 3 unreachable, 4 not found, …), and
-every command finds its tenant the same way (flag, environment, config file, else the token's own from ``whoami``).
+every command finds its tenant the same way (flag, environment, config file, else the token's
+own from ``whoami``).
 The command modules (``app``, ``confirmations``, ``usage``) share these.
 
 What it must never do: print anything but the refusal it was handed, or guess a tenant the
