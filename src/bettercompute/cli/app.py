@@ -999,7 +999,7 @@ def dev(
     ] = 9464,
     sim: Annotated[
         int, typer.Option("--sim", help="How many simulated GPU nodes to run.", min=0, max=1024)
-    ] = 2,
+    ] = 3,
     config: Annotated[
         Path | None,
         typer.Option(
