@@ -4,12 +4,23 @@ without a server or the dev stack."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import sys
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import typer
 
-from tests.cli.conftest import run_cli
+from bettercompute.cli import app as cli_app
+from bettercompute.kubectl import app as kubectl_app
+from tests.cli.conftest import Cli, Server, run_cli
+
+#: The pools of the demo world (src/bettercompute/dev/demo.yaml) that examples may name.
+DEMO_POOLS = ("pool_h100", "pool_a100_mig")
 
 COMMANDS = [
     ((), "better-compute reserve --tenant acme --pool pool_h100 --gpus 4 --for 8h --nvlink"),
@@ -107,3 +118,101 @@ async def test_version_short_help_and_completion(tmp_path: Path):
         },
     )
     assert completion.stdout.split() == ["reserve", "reservations"], completion
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command of a program, as the words that name it (the program itself is ``()``).
+    Typer's commands are its own click's: they are read by their attributes."""
+    found = [path]
+    for name, command in sorted((getattr(group, "commands", None) or {}).items()):
+        found += _commands(command, (*path, name))
+    return found
+
+
+def _options(group: Any) -> dict[str, set[tuple[str, str]]]:
+    """Each visible option's declared defaults, with the command that declares each."""
+    seen: dict[str, set[tuple[str, str]]] = {}
+    for path in _commands(group):
+        command = group
+        for word in path:
+            command = command.commands[word]
+        for param in command.params:
+            if param.param_type_name == "option" and not param.hidden:
+                seen.setdefault(param.opts[0], set()).add((repr(param.default), " ".join(path)))
+    return seen
+
+
+PROGRAMS = {
+    "better-compute": ("bettercompute.cli.app", cli_app.app),
+    "kubectl bcd": ("bettercompute.kubectl.app", kubectl_app.app),
+}
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+async def test_every_help_reads_right(tmp_path: Path, program: str):
+    """No ``<bool>`` placeholder on a switch, no ``--no-no-…`` option, examples that name the
+    demo's real pools (never the guide's ``pool_01k…``), in every command's rich help."""
+    module, typer_app = PROGRAMS[program]
+    commands = _commands(typer.main.get_command(typer_app))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BETTER_COMPUTE_")}
+    env.update({"HOME": str(tmp_path), "COLUMNS": "200", "NO_COLOR": "1", "TERM": "xterm"})
+
+    async def show(path: tuple[str, ...]) -> tuple[int | None, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *path, "--help",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        return process.returncode, out.decode(), err.decode()
+
+    shown = await asyncio.gather(*(show(path) for path in commands))
+    assert len(commands) > 5
+    for path, (rc, out, err) in zip(commands, shown, strict=True):
+        name = " ".join((program, *path))
+        assert rc == 0, (name, err)
+        assert "Usage:" in out, name
+        assert "<bool>" not in out, (name, out)
+        assert "BOOLEAN" not in out, (name, out)
+        assert "--no-no-" not in out, (name, out)
+        assert "pool_01k" not in out, (name, out)
+        for pool in re.findall(r"--pool (pool_\w+)", out):
+            assert pool in DEMO_POOLS, (name, pool)
+
+
+def test_an_option_has_one_default_wherever_it_appears():
+    """The same flag means the same default in every command of a program (and the two
+    programs' shared flags are in docs/cli.md); the exceptions say why."""
+    # --limit: capacity --find's windows (5) against a list page (the server's 50).
+    # --for: reserve's length (required) against watch's stop-after (until Ctrl-C) and find's
+    # window (1h); --state: each list filters its own states; --timeout: extend/renew/release
+    # wait for one answer (1m), reserve for Ready (5m); --url: subscriptions create's webhook.
+    differ = {"--limit", "--for", "--state", "--timeout", "--url"}
+    for program, (_, typer_app) in PROGRAMS.items():
+        for option, defaults in _options(typer.main.get_command(typer_app)).items():
+            if option not in differ:
+                assert len({default for default, _ in defaults}) == 1, (program, option, defaults)
+
+
+def test_the_demo_pools_the_examples_name_exist():
+    demo = Path(__file__).resolve().parents[2] / "src/bettercompute/dev/demo.yaml"
+    text = demo.read_text()
+    for pool in DEMO_POOLS:
+        assert f"id: {pool}\n" in text, pool
+
+
+async def test_version_names_the_servers_when_it_answers(cli: Cli, server: Server, tmp_path: Path):
+    installed = metadata.version("better-compute")
+    both = await cli("--version")
+    assert both.rc == 0, both
+    # The server's version is its OpenAPI document's info.version, which needs no token.
+    async with httpx.AsyncClient() as http:
+        document = (await http.get(f"{server.url}/api/compute/openapi.json")).json()
+    assert both.stdout == (
+        f"better-compute {installed}\nserver {document['info']['version']} ({server.url})\n"
+    )
+    alone = await run_cli(
+        "--version", home=tmp_path, env={"BETTER_COMPUTE_URL": "http://127.0.0.1:9"}
+    )
+    assert alone.rc == 0, alone
+    assert alone.stdout == f"better-compute {installed}\n"
+    assert alone.stderr.startswith("(no server version: cannot reach"), alone

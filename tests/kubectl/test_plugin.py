@@ -756,6 +756,57 @@ async def test_help_teaches_and_version_names_the_package(tmp_path: Path) -> Non
     assert re.fullmatch(r"kubectl-bcd \S+\n", version.out), version.out
 
 
+STATEFULSETS = kubeobjects.Ref(group="apps", version="v1", plural="statefulsets", namespaced=True)
+
+
+async def test_version_names_the_operator_the_cluster_runs(world: World, plugin: Plugin) -> None:
+    # The chart's StatefulSet, as it labels it: its image's tag is the operator that runs.
+    world.kube.emulator.declare(STATEFULSETS, kind="StatefulSet")
+    labels = {
+        "app.kubernetes.io/part-of": "better-compute",
+        "app.kubernetes.io/component": "operator",
+        "app.kubernetes.io/version": "0.9.0",
+    }
+    containers = [{"name": "operator", "image": "ghcr.io/acme/better-compute:1.4.2"}]
+    await world.kube.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "bcd-operator", "namespace": "bcd-system", "labels": labels},
+            "spec": {
+                "serviceName": "bcd-operator",
+                "selector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+                "template": {"spec": {"containers": containers}},
+            },
+        }
+    )
+    ran = await plugin.run("--version")
+    assert ran.code == 0, ran.err
+    assert re.fullmatch(
+        r"kubectl-bcd \S+\noperator 1\.4\.2 \(StatefulSet bcd-system/bcd-operator\)\n", ran.out
+    ), ran.out
+    # Without a cluster: its own version, and why there is no operator's, on stderr.
+    alone = await finish(await start("--version", env=plugin_env(plugin.kubeconfig.parent)))
+    assert alone.code == 0, alone.err
+    assert re.fullmatch(r"kubectl-bcd \S+\n", alone.out), alone.out
+    assert alone.err.startswith("(no operator version: "), alone.err
+
+
+async def test_get_all_namespaces_lists_every_namespace(world: World, plugin: Plugin) -> None:
+    await world.kube.create(kubeworld.namespace("vision", tenant="acme"))
+    await _placed(plugin, world.kube, "here", "--gpus", "1", "--for", "1h")
+    ran = await plugin.run(
+        "reserve", "there", "--gpus", "1", "--for", "1h", "-n", "vision", "--no-wait"
+    )
+    assert ran.code == 0, ran.err
+    every = await plugin.run("get", "-A", "-o", "name")
+    assert every.code == 0, every.err
+    assert every.out.split() == ["reservation.bcd.dev/here", "reservation.bcd.dev/there"]
+    table = await plugin.run("get", "-A")
+    rows = [line.split()[:2] for line in table.out.strip().splitlines()[1:]]
+    assert rows == [[NS, "here"], ["vision", "there"]], table.out
+
+
 # --- credentials and identity ------------------------------------------------------------------
 
 

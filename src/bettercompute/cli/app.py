@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bettercompute import extras
+from bettercompute import extras, helptext
 from bettercompute.cli import (
     bodies,
     calls,
@@ -42,6 +42,8 @@ from bettercompute.cli import (
 )
 from bettercompute.cli.settings import Output
 from bettercompute.core.exits import Exit
+
+helptext.plain_switches()
 
 app = typer.Typer(
     name="better-compute",
@@ -67,10 +69,23 @@ app = typer.Typer(
 )
 
 
+#: How long ``--version`` waits for the server's version before it prints only its own.
+VERSION_TIMEOUT_S = 2.0
+
+
 def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"better-compute {_installed_version()}")
-        raise typer.Exit()
+    """The client's version, then the server's when one answers within ``VERSION_TIMEOUT_S``
+    (the server of $BETTER_COMPUTE_URL or the config file); why not, on stderr."""
+    if not value:
+        return
+    typer.echo(f"better-compute {_installed_version()}")
+    try:
+        found = settings.resolve(url=None, token=None, tenant=None, output=None)
+        with client.ApiClient(url=found.url, token=None, timeout_s=VERSION_TIMEOUT_S) as api:
+            typer.echo(f"server {api.server_version()} ({found.url})")
+    except client.Failure as e:
+        output.note(f"(no server version: {e.message})")
+    raise typer.Exit()
 
 
 def _installed_version() -> str:
@@ -85,7 +100,10 @@ def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+            "--version",
+            help="Print this client's version and, when it answers, the server's, and exit.",
+            callback=_version,
+            is_eager=True,
         ),
     ] = False,
 ) -> None:
@@ -907,7 +925,7 @@ def renew(
     token: options.TokenOption = None,
     out: options.OutputOption = None,
 ) -> None:
-    """Renew a lease: it now runs out --lease seconds from now (only with --lease)."""
+    """Renew a lease: it now runs out its --lease from now (only a reservation made with one)."""
     _change("renew", reservation_id=reservation_id, tenant=tenant, url=url, token=token, out=out)
 
 

@@ -75,7 +75,9 @@ class ApiClient:
             headers["Authorization"] = f"Bearer {token}"
         self._timeout_s = timeout_s
         self._http = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0), follow_redirects=False
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)),
+            follow_redirects=False,
         )
 
     def __enter__(self) -> ApiClient:
@@ -113,6 +115,26 @@ class ApiClient:
                 exit_code=EXIT_UNREACHABLE,
             ) from None
         return self._read(response)
+
+    def server_version(self) -> str:
+        """The server's version: ``info.version`` of its OpenAPI document, which every server
+        serves without a credential and stamps with its installed version (no operation of
+        the guide answers it)."""
+        try:
+            response = self._http.get(self.url + API_PREFIX + "openapi.json")
+            document = response.json()
+        except httpx.HTTPError as e:
+            raise self._unreachable(str(e) or type(e).__name__) from None
+        except ValueError:
+            document = None
+        info = document.get("info") if isinstance(document, dict) else None
+        version = info.get("version") if isinstance(info, dict) else None
+        if response.status_code != 200 or not isinstance(version, str):
+            raise Failure(
+                f"the server at {self.url} answered no OpenAPI document with a version",
+                exit_code=EXIT_UNREACHABLE,
+            )
+        return version
 
     def events(self, tenant_id: str, *, after: int | None = None) -> Iterator[dict[str, Any]]:
         """The tenant's events as the server streams them (``GET events/watch``), forever;

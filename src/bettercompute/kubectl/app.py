@@ -34,8 +34,10 @@ import typer
 import yaml
 from lightkube import ConfigError
 from lightkube.config.kubeconfig import KubeConfig
+from lightkube.resources.apps_v1 import StatefulSet
 from rich.console import Console, RenderableType
 
+from bettercompute import helptext
 from bettercompute.core.exits import Exit, for_http_status
 from bettercompute.kube import names, resources
 from bettercompute.kube.client import (
@@ -49,11 +51,16 @@ from bettercompute.kubectl import jsonpath, specs, tables, times
 
 T = TypeVar("T")
 
+#: Every namespace, in a list or watch of a namespaced resource (lightkube's word for it: without
+#: it, lightkube lists the kubeconfig context's namespace only).
+ALL_NAMESPACES = "*"
 #: How often a wait reads the object again.
 POLL_S = 0.5
 #: A table piped to a file or another program is not cut to the terminal's width.
 _PIPE_WIDTH = 1000
 DEBUG_ENV = "BETTER_COMPUTE_DEBUG"
+
+helptext.plain_switches()
 
 app = typer.Typer(
     name="kubectl bcd",
@@ -322,14 +329,68 @@ class Cluster:
     namespace: str | None = None
 
 
-def _version(value: bool) -> None:
-    if value:
-        try:
-            version = metadata.version("better-compute")
-        except metadata.PackageNotFoundError:
-            version = "0.0.0 (not installed)"
-        typer.echo(f"kubectl-bcd {version}")
-        raise typer.Exit()
+#: How long ``--version`` looks for the operator before it prints only its own version.
+VERSION_TIMEOUT_S = 2.0
+#: The labels the chart gives the operator's StatefulSet (``bcd.componentLabels``).
+OPERATOR_LABELS = {
+    "app.kubernetes.io/part-of": "better-compute",
+    "app.kubernetes.io/component": "operator",
+}
+
+
+def _version(ctx: typer.Context, value: bool) -> None:
+    """This plugin's version, then the operator's as the cluster runs it: the image tag of the
+    ``operator`` container of the chart's StatefulSet (what runs, whatever the chart's
+    appVersion says), found by the chart's labels within ``VERSION_TIMEOUT_S``. Not eager, so a
+    ``--kubeconfig``/``--context`` before it on the line is used; why there is none, on stderr."""
+    if not value:
+        return
+    try:
+        version = metadata.version("better-compute")
+    except metadata.PackageNotFoundError:
+        version = "0.0.0 (not installed)"
+    typer.echo(f"kubectl-bcd {version}")
+    given = Cluster(kubeconfig=ctx.params.get("kubeconfig"), context=ctx.params.get("context"))
+    try:
+        session = _session(ctx, given)
+        found = asyncio.run(asyncio.wait_for(_operators(session), VERSION_TIMEOUT_S))
+    except Exception as e:  # whatever the cluster says (or fails to), --version answers
+        said = e.message if isinstance(e, Failure) else str(e) or type(e).__name__
+        note(f"(no operator version: {said or 'no answer within 2s'})")
+        raise typer.Exit() from None
+    if not found:
+        note(
+            "(no operator version: no StatefulSet labelled app.kubernetes.io/component=operator,"
+            " app.kubernetes.io/part-of=better-compute that your identity may list)"
+        )
+    for line in found:
+        typer.echo(line)
+    raise typer.Exit()
+
+
+async def _operators(session: Session) -> list[str]:
+    """``operator TAG (StatefulSet NAMESPACE/NAME)`` for each operator the identity may list."""
+    async with KubeClient(session.config) as kube:
+        items = await kube.list(StatefulSet, namespace=ALL_NAMESPACES, labels=OPERATOR_LABELS)
+    lines = []
+    for item in sorted(items, key=lambda o: (o["metadata"].get("namespace", ""), _name_of(o))):
+        containers = (((item.get("spec") or {}).get("template") or {}).get("spec") or {}).get(
+            "containers"
+        ) or []
+        image = next(
+            (str(c.get("image") or "") for c in containers if c.get("name") == "operator"), ""
+        )
+        where = f"{item['metadata'].get('namespace')}/{_name_of(item)}"
+        lines.append(f"operator {_image_tag(image)} (StatefulSet {where})")
+    return lines
+
+
+def _image_tag(image: str) -> str:
+    """The tag of ``repo/name:tag`` (or its digest, ``@sha256:…``); ``unknown`` without one."""
+    if "@" in image:
+        return image.split("@", 1)[1]
+    last = image.rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else "unknown"
 
 
 @app.callback()
@@ -338,7 +399,10 @@ def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+            "--version",
+            help="Print this plugin's version and the operator's (from its StatefulSet's image)"
+            " when your identity may list it, and exit.",
+            callback=_version,
         ),
     ] = False,
     kubeconfig: KubeconfigOption = None,
@@ -841,7 +905,8 @@ def get(
         scope = None if all_namespaces else api.namespace
         target = specs.Target("list", "Reservation", "reservations", scope)
         items = await api.call(
-            api.kube.list(resources.RESERVATIONS, namespace=scope, labels=labels), target
+            api.kube.list(resources.RESERVATIONS, namespace=scope or ALL_NAMESPACES, labels=labels),
+            target,
         )
         items.sort(key=lambda o: ((o.get("metadata") or {}).get("namespace") or "", _name_of(o)))
         if output.structured:
@@ -906,7 +971,9 @@ async def _watch(
     while True:
         if version is None:
             items, version = await api.call(
-                api.kube.list_from(resources.RESERVATIONS, namespace=scope, labels=labels),
+                api.kube.list_from(
+                    resources.RESERVATIONS, namespace=scope or ALL_NAMESPACES, labels=labels
+                ),
                 target,
             )
             if name is not None:
@@ -927,7 +994,7 @@ async def _watch(
         try:
             async for kind, obj in api.kube.watch(
                 resources.RESERVATIONS,
-                namespace=scope,
+                namespace=scope or ALL_NAMESPACES,
                 labels=labels,
                 fields=fields,
                 resource_version=version,
