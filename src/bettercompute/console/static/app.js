@@ -5,13 +5,13 @@
 // It never keeps the token: the HttpOnly cookie is the credential, and a 401 anywhere
 // leaves for the sign-in page.
 
-import { api, fill, h, notice, toSignin } from "./lib.js";
-import { timelineView, findView } from "./views-timeline.js";
+import { api, charts, fill, h, notice, toSignin } from "./lib.js";
+import { firstTimeline, timelineView, findView } from "./views-timeline.js";
 import { reservationsView, reservationView } from "./views-reservations.js";
 import { quotaView, confirmationsView } from "./views-account.js";
 
 const main = document.getElementById("main");
-const session = { me: null, pools: [] };
+const session = { me: null, pools: null, poolsReady: null, prefetch: null };
 let current = null;
 
 const ROUTES = {
@@ -40,6 +40,9 @@ async function show() {
   }
   fill(main, h("p", { class: "loading" }, "Loading…"));
   try {
+    // Only the timeline of a pool it was asked for at start goes ahead without the pools.
+    const ahead = name === "timeline" && session.prefetch && session.prefetch.poolId === args[0];
+    if (!ahead) await session.poolsReady;
     current = (await view(main, session, ...args)) || null;
   } catch (error) {
     if (error && error.status === 401) return;
@@ -49,12 +52,17 @@ async function show() {
   }
 }
 
-/** Refresh the view on screen at most every 400 ms, however many events arrive. */
+/**
+ * Refresh the view on screen once for however many events arrive: 400 ms after the first,
+ * or twice as long as the last refresh took, so that a view that is slow to read (a busy
+ * pool's timeline) never keeps the server reading it back to back.
+ */
 let pending = null;
+let lastTook = 0;
 function refreshSoon() {
   if (pending) return;
   pending = setTimeout(async () => {
-    pending = null;
+    const started = performance.now();
     updateConfirmCount();
     if (current && current.refresh) {
       try {
@@ -63,7 +71,9 @@ function refreshSoon() {
         if (!error || error.status !== 401) notice(`Could not refresh: ${error.message || error}`, "bad");
       }
     }
-  }, 400);
+    lastTook = performance.now() - started;
+    pending = null;
+  }, Math.max(400, 2 * lastTook));
 }
 
 const EVENT_TYPES = ["pending", "queued", "placed", "repaired", "binding", "binding-rejected", "active",
@@ -76,6 +86,8 @@ function watch() {
   source.addEventListener("open", () => {
     live.textContent = "live";
     live.className = "live on";
+    // The stream starts with the next event: what changed before it opened is read again.
+    refreshSoon();
   });
   for (const type of EVENT_TYPES) source.addEventListener(type, refreshSoon);
   source.addEventListener("message", refreshSoon);
@@ -115,6 +127,15 @@ async function start() {
       location.replace("/console/signin");
     }
   });
+  // A view of a named pool asks for its timeline at once, beside whoami and pools.list,
+  // rather than after them: on a busy pool it is the slowest answer the page waits for.
+  const first = route();
+  charts().catch(() => {}); // on its way while the first answers are; a view says if it failed
+  if (first.name === "timeline" && first.args[0]) {
+    const answer = firstTimeline(first.args[0]);
+    answer.catch(() => {}); // awaited by the view; a failure is shown there
+    session.prefetch = { poolId: first.args[0], answer };
+  }
   try {
     session.me = await api("whoami", {});
   } catch (error) {
@@ -126,16 +147,22 @@ async function start() {
   }
   fill(document.getElementById("who"), h("strong", {}, session.me.identityId), ` · ${session.me.tenantId}`,
     session.me.kind && session.me.kind !== "user" ? ` · ${session.me.kind}` : "");
-  try {
-    session.pools = (await api("pools/list", { tenantId: session.me.tenantId })).items;
-  } catch (error) {
-    if (error.status === 401) return;
-    session.pools = [];
-  }
+  // The pools (for the pickers) after the first timeline answer: a view of a named pool is
+  // drawn without them, and on a busy server the two would slow each other.
+  const before = session.prefetch ? session.prefetch.answer.catch(() => null) : Promise.resolve();
+  session.poolsReady = before
+    .then(() => api("pools/list", { tenantId: session.me.tenantId }))
+    .then((answer) => answer.items, (error) => {
+      if (error.status === 401) throw error;
+      return [];
+    })
+    .then((items) => { session.pools = items; return items; });
+  session.poolsReady.catch(() => {});
   window.addEventListener("hashchange", show);
+  await show();
+  // After the first view: on a small server these would compete with its answers.
   watch();
   updateConfirmCount();
-  await show();
 }
 
 start().catch((error) => {

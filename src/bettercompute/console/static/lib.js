@@ -19,6 +19,29 @@ export const PALETTE = {
   maintenance: "#000000",
 };
 
+let chartsLoading = null;
+/**
+ * ECharts, loaded once on first need (a classic script: it sets window.echarts). Loaded by
+ * the page rather than by a <script> tag so that the API calls a view waits for start while
+ * the library is still on its way.
+ */
+export function charts() {
+  if (window.echarts) return Promise.resolve(window.echarts);
+  if (!chartsLoading) {
+    chartsLoading = new Promise((resolve, reject) => {
+      const script = document.createElement("script");
+      script.src = "/console/assets/vendor/echarts.min.js";
+      script.addEventListener("load", () => resolve(window.echarts));
+      script.addEventListener("error", () => {
+        chartsLoading = null;
+        reject(new Error("The chart library did not load (/console/assets/vendor/echarts.min.js); reload the page."));
+      });
+      document.head.appendChild(script);
+    });
+  }
+  return chartsLoading;
+}
+
 /** Build an element: attributes by name, children as nodes or text (never parsed as HTML). */
 export function h(tag, attrs = {}, ...children) {
   const el = document.createElement(tag);

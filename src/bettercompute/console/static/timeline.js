@@ -91,8 +91,7 @@ function tooltipFor(tl, item) {
  * own bar is clicked; onDrawn() once, after the first frame is drawn. Returns a controller.
  */
 export function drawTimeline(container, tl, options = {}) {
-  const echarts = window.echarts;
-  if (!echarts) throw new Error("The chart library did not load (/console/assets/vendor/echarts.min.js).");
+  const echarts = window.echarts; // loaded by the caller (lib.charts)
   const expanded = new Set();
   let highlights = [];
   let layout = null;

@@ -1,7 +1,7 @@
 // Quota & usage (per resource charged / limit / left as gauges, GPU-hours by day and pool
 // as a stacked bar chart) and the Confirmations inbox (what agents acting for me wait on).
 
-import { PALETTE, api, describeDevices, errorBox, fill, h, notice, time, duration } from "./lib.js";
+import { PALETTE, api, charts, describeDevices, errorBox, fill, h, notice, time, duration } from "./lib.js";
 
 const DAY = 86400e3;
 const SERIES_COLOURS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"];
@@ -30,11 +30,17 @@ export async function quotaView(main, session) {
   fill(main, h("h1", {}, "Quota & usage"), error,
     h("h2", {}, "Quota"), h("p", { class: "muted" }, "What live reservations charge now against each limit. A resource not listed grants nothing."),
     gauges, h("h2", {}, "GPU-hours, last 14 days, by pool"), chartBox, usageTable);
-  let charts = [];
+  let gaugeCharts = [];
   let usage = null;
 
   async function load() {
     const tenantId = session.me.tenantId;
+    try {
+      await charts();
+    } catch (e) {
+      fill(error, errorBox(e, "Loading the charts"));
+      return;
+    }
     let quotas;
     try {
       quotas = await api("quotas/get", { tenantId });
@@ -43,8 +49,8 @@ export async function quotaView(main, session) {
       return;
     }
     fill(error);
-    for (const c of charts) c.dispose();
-    charts = [];
+    for (const c of gaugeCharts) c.dispose();
+    gaugeCharts = [];
     fill(gauges, quotas.quotas.length ? quotas.quotas.map((row) => {
       const box = h("div", { class: "gauge-chart", role: "img",
         "aria-label": `${row.resource}: ${row.used} of ${row.limit} charged` });
@@ -53,7 +59,7 @@ export async function quotaView(main, session) {
         h("h3", {}, row.resource), box,
         h("p", { class: "figures" }, h("span", { class: "used" }, `charged ${row.used}`), ` · limit ${row.limit} · `,
           h("strong", { class: left < 0 ? "bad" : "" }, left < 0 ? `${-left} over` : `${left} left`)));
-      requestAnimationFrame(() => { if (box.isConnected) charts.push(gauge(box, row)); });
+      requestAnimationFrame(() => { if (box.isConnected) gaugeCharts.push(gauge(box, row)); });
       return card;
     }) : h("p", { class: "empty" }, "No quota rows: this tenant may book nothing. Ask your platform team for a quota."));
 
@@ -91,7 +97,7 @@ export async function quotaView(main, session) {
   await load();
   return {
     refresh: load,
-    dispose: () => { for (const c of charts) c.dispose(); if (usage) usage.dispose(); },
+    dispose: () => { for (const c of gaugeCharts) c.dispose(); if (usage) usage.dispose(); },
   };
 }
 

@@ -1,7 +1,7 @@
 // The Timeline view (a pool's bookings, now and ahead) and Find a window (capacity/search's
 // earliest windows drawn on the same timeline, then a create with a key the page shows).
 
-import { PALETTE, api, activatable, duration, errorBox, fill, h, newKey, notice, time } from "./lib.js";
+import { PALETTE, api, activatable, charts, duration, errorBox, fill, h, newKey, notice, time } from "./lib.js";
 import { drawTimeline } from "./timeline.js";
 
 const ENDED = new Set(["released", "expired", "cancelled", "failed"]);
@@ -41,6 +41,19 @@ function noPools() {
   return h("div", { class: "empty" }, h("h2", {}, "No pools yet"),
     h("p", {}, "Your tenant owns no pool and is offered none. Ask your platform team for an offer, or try ",
       h("code", {}, "better-compute dev"), ", whose demo tenant acme owns two."));
+}
+
+/** What the timeline first shows: half a day back to four days ahead. */
+const FIRST_PAST_MS = 12 * 3600e3;
+const FIRST_AHEAD_MS = 4 * 86400e3;
+
+/**
+ * The timeline of the span first on screen: on a pool with thousands of bookings it is a
+ * fraction of the whole answer, so the grid is drawn while the rest is still on its way.
+ */
+export function firstTimeline(poolId) {
+  const now = Date.now();
+  return api("pools/timeline", { poolId, from: Math.round(now - FIRST_PAST_MS), to: Math.round(now + FIRST_AHEAD_MS) });
 }
 
 /** Record that the timeline is on screen (the bench reads the mark's time). */
@@ -118,12 +131,12 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
     drawn.zoomTo(start, start + (b - a));
   }
 
-  async function load() {
-    const next = await api("pools/timeline", { poolId });
+  let complete = false;
+
+  function show(next) {
     tl = next;
     if (drawn) drawn.update(tl);
     else {
-      if (!chartBox.isConnected) return;
       drawn = drawTimeline(chartBox, tl, {
         onOpen: (r) => { location.hash = `#/reservations/${encodeURIComponent(r.id)}`; },
         onDrawn: () => markDrawn(chartBox, tl),
@@ -133,6 +146,29 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
     }
     chartBox.dataset.bookings = String(tl.bookings.length);
     lists();
+    if (!complete) status.append(" · loading the rest of the horizon…");
+  }
+
+  /**
+   * The first load draws the part on screen first (firstTimeline), then the whole span from
+   * the past day to the horizon; later loads (live updates) read the whole span.
+   */
+  async function load() {
+    if (!drawn) {
+      const pre = session.prefetch;
+      session.prefetch = null;
+      const [first] = await Promise.all([pre && pre.poolId === poolId ? pre.answer : firstTimeline(poolId), charts()]);
+      if (!chartBox.isConnected) return;
+      show(first);
+    }
+    const whole = await api("pools/timeline", { poolId });
+    if (!chartBox.isConnected) return;
+    complete = true;
+    show(whole);
+    if (!document.body.dataset.timelineComplete) {
+      performance.mark("timeline-complete");
+      document.body.dataset.timelineComplete = "1";
+    }
   }
 
   return {
@@ -153,16 +189,21 @@ function colourTag(r) {
 }
 
 export async function timelineView(main, session, poolArg) {
-  if (!session.pools.length) {
+  if (session.pools && !session.pools.length) {
     fill(main, h("h1", {}, "Timeline"), noPools());
     return null;
   }
-  const poolId = session.pools.some((p) => p.poolId === poolArg) ? poolArg : session.pools[0].poolId;
+  // Without the pools yet (app.js lets a named pool's timeline go first): that pool, and the
+  // picker when they come.
+  const poolId = !session.pools || session.pools.some((p) => p.poolId === poolArg)
+    ? poolArg : session.pools[0].poolId;
   const panel = timelinePanel(session, poolId);
   const error = h("div", { id: "timeline-error" });
-  fill(main, h("div", { class: "view-head" }, h("h1", {}, "Timeline"),
-    poolPicker(session, poolId, (id) => { location.hash = `#/timeline/${encodeURIComponent(id)}`; })),
-  error, panel.element);
+  const picker = h("span", {});
+  const choose = (id) => { location.hash = `#/timeline/${encodeURIComponent(id)}`; };
+  if (session.pools) fill(picker, poolPicker(session, poolId, choose));
+  else session.poolsReady.then(() => fill(picker, poolPicker(session, poolId, choose)), () => {});
+  fill(main, h("div", { class: "view-head" }, h("h1", {}, "Timeline"), picker), error, panel.element);
   try {
     await panel.load();
   } catch (e) {
