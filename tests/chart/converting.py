@@ -38,6 +38,7 @@ _KEPT = frozenset(
         "pattern",
         "minItems",
         "maxItems",
+        "maxProperties",
         "required",
     }
 )

@@ -72,6 +72,11 @@ WIDENED = {
     # true → true or {api: devicePlugin | dra} (issue 28): a stored boolean still passes the
     # field's CEL rule, and is read as before.
     ("gpupools.bcd.dev", ".spec.policy.kubernetes"): ("boolean", "any"),
+    # epoch ms → RFC 3339 (issue 31: times people read). Status, which only the operator
+    # writes: its next projection writes the new form; until then the stored integer is kept
+    # (validation ratchets on unchanged values, 1.30 and later) and kubectl bcd reads both.
+    ("reservations.bcd.dev", ".status.leaseExpiresAt"): ("integer", "string"),
+    ("reservations.bcd.dev", ".status.extension.availableUntil"): ("integer", "string"),
 }
 
 

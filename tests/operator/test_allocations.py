@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from bettercompute.core import moments
 from bettercompute.operator.running import Operator
 from tests.operator.conftest import World
 from tests.support import kubeworld
@@ -144,7 +145,8 @@ async def test_a_kubernetes_binding_goes_through_its_device_allocation(
     condition = _conditions(held)["DevicesHeld"]
     assert condition["reason"] == "PodsHoldDevices"
     assert node in condition["message"]
-    assert _details(held, "DevicesHeld")["since"] is not None
+    since = _details(held, "DevicesHeld")["since"]
+    assert moments.parse_ms(since) > 0, since  # a time people read: RFC 3339
     assert releasing["spec"]["nodeName"] == node
 
     # The pod is gone: the node reports released, DevicesHeld goes, the allocation is deleted.

@@ -289,6 +289,7 @@ async def test_a_node_reporting_foreign_gpu_exposure_is_marked_and_cleared(
             "status": "True",
             "reason": "ForeignPath",
             "message": message,
+            "lastTransitionTime": "2026-12-02T00:00:00Z",
         }
     )
     await kube.patch(GPUNODES, None, name, {"status": exposed}, status=True)
@@ -455,6 +456,8 @@ async def test_the_pool_status_shows_free_and_booked_devices_within_seconds(
     assert pool is not None
     assert pool["status"]["nodesReady"] == 2
     assert pool["status"].get("nextFreeAt") is None  # some are free now
+    # The Free and Total columns: the class this (exclusive) pool sells, whole GPUs.
+    assert (pool["status"]["free"], pool["status"]["total"]) == (5, 8)
 
 
 async def test_a_dra_pool_where_resource_v1_is_not_served_says_so_and_makes_no_template(

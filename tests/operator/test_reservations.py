@@ -135,7 +135,7 @@ async def test_extend_blocked_by_another_booking_reports_available_until(
     assert obj["status"]["extension"] == {
         "key": "ext-1",
         "extended": False,
-        "availableUntil": later,
+        "availableUntil": moments.rfc3339(later),  # a time people read: RFC 3339
     }
     assert obj["status"]["during"]["end"] == first["status"]["during"]["end"]
 
@@ -143,7 +143,7 @@ async def test_extend_blocked_by_another_booking_reports_available_until(
 async def test_the_renew_annotation_renews_a_lease_once_per_value(world: World):
     await world.kube.create(kubeworld.reservation("agent").lease(600).obj())
     placed = await world.kube.wait_for(RESERVATIONS, "ml", "agent", _state("placed"))
-    assert placed["status"]["leaseExpiresAt"] is not None
+    assert moments.parse_ms(placed["status"]["leaseExpiresAt"]) > 0  # RFC 3339
     await world.kube.patch(
         RESERVATIONS, "ml", "agent", {"metadata": {"annotations": {"bcd.dev/renew": "r1"}}}
     )

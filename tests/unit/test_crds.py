@@ -78,8 +78,8 @@ EXPECTED = (
             ("Sharing", "string", ".spec.sharing.mode"),
             ("Owner", "string", ".spec.owner.tenant"),
             ("Nodes", "integer", ".status.nodes"),
-            ("Free", "integer", ".status.devices.gpu.free"),
-            ("Total", "integer", ".status.devices.gpu.total"),
+            ("Free", "integer", ".status.free"),
+            ("Total", "integer", ".status.total"),
             AGE,
         ),
     ),
@@ -105,7 +105,6 @@ EXPECTED = (
             ("Reservation", "string", ".spec.reservationId"),
             ("Class", "string", ".spec.class"),
             ("Phase", "string", ".status.phase"),
-            ("Until", "integer", ".spec.until"),
             AGE,
         ),
     ),
@@ -570,7 +569,7 @@ def reservation() -> dict[str, Any]:
             ],
             "conditionDetails": {
                 "DevicesHeld": {
-                    "since": 1790020800000,
+                    "since": "2026-09-21T20:00:00Z",
                     "nodes": ["gpu-node-1"],
                     "pods": ["ml/trainer-0"],
                 }
@@ -582,8 +581,12 @@ def reservation() -> dict[str, Any]:
             },
             "operation": {"id": "rsv_01k", "state": "succeeded"},
             "version": 4,
-            "leaseExpiresAt": 1790003600000,
-            "extension": {"key": "ext-1", "extended": True, "availableUntil": 1790040000000},
+            "leaseExpiresAt": "2026-09-21T15:13:20Z",
+            "extension": {
+                "key": "ext-1",
+                "extended": True,
+                "availableUntil": "2026-09-22T01:20:00Z",
+            },
             "renewed": "2026-09-21T15:00:00Z",
             "observedGeneration": 2,
         },

@@ -63,11 +63,15 @@ class NodeInventory(_Status):
 
 
 class Condition(_Status):
-    type: str
+    """A ``metav1.Condition``: what the CRD requires is required here too."""
+
+    type: str = Field(max_length=316)
     status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    lastTransitionTime: str | None = None
+    reason: str = Field(max_length=1024)
+    message: str = Field(max_length=32768)
+    lastTransitionTime: str
+    #: Always absent: a GPUNode has no spec its agent acts on.
+    observedGeneration: int | None = Field(default=None, ge=0)
 
 
 class GpuNodeStatus(_Status):

@@ -27,7 +27,7 @@ import kopf
 
 from bettercompute.core.egress import EgressPolicy
 from bettercompute.core.errors import ComputeError, StoreError
-from bettercompute.core.pools import PoolDefinition
+from bettercompute.core.pools import CLASS_FOR_MODE, PoolDefinition
 from bettercompute.kube import dra, names, resources
 from bettercompute.kube.parsing import ShapeError
 from bettercompute.operator import (
@@ -309,9 +309,14 @@ def make_registry(
         if found is None:
             return
         nxt = found.get("nextFreeAt")
+        # Free and Total of the class the pool sells (MIG instances, slots or whole GPUs), so
+        # that kubectl's columns are right for every kind of pool.
+        sold = found["devices"].get(CLASS_FOR_MODE.get(found["sharing"], "gpu")) or {}
         shown = {
             "nodesReady": found["nodesReady"],
             "devices": found["devices"],
+            "free": sold.get("free", 0),
+            "total": sold.get("total", 0),
             "nextFreeAt": statuses.rfc3339(nxt) if nxt is not None else None,
         }
         status = body.get("status") or {}

@@ -163,7 +163,7 @@ class ReservationDoor:
             return await self._refuse(body, e, operation="extend", extra={"extension": extension})
         extension["extended"] = bool(answer["extended"])
         if answer.get("availableUntil") is not None:
-            extension["availableUntil"] = answer["availableUntil"]
+            extension["availableUntil"] = statuses.rfc3339(answer["availableUntil"])
         await self._show(body, answer["reservation"], extra={"extension": extension})
         return None
 

@@ -85,8 +85,11 @@ DETAILS = ("since", "nodes", "pods")
 
 
 def condition_details(guide: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    # ``since`` is epoch ms in the guide's condition; people read it here, so RFC 3339.
     found = {
-        str(c.get("type")): {k: c[k] for k in DETAILS if c.get(k) is not None}
+        str(c.get("type")): {
+            k: rfc3339(c[k]) if k == "since" else c[k] for k in DETAILS if c.get(k) is not None
+        }
         for c in guide
         if any(c.get(k) is not None for k in DETAILS)
     }
@@ -263,7 +266,7 @@ def reservation_status(
             "binding": view.get("binding") or None,
             "operation": view.get("operation"),
             "version": view.get("version"),
-            "leaseExpiresAt": view.get("leaseExpiresAt"),
+            "leaseExpiresAt": rfc3339(view.get("leaseExpiresAt")),
             "resourceName": view.get("resourceName"),
             # What each node books of its host, and the part that is the pool's share.
             "resources": (view.get("request") or {}).get("resources") or None,
