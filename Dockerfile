@@ -11,6 +11,12 @@
 #   docker build -t better-compute:0.1.0 --build-arg VERSION=0.1.0 --build-arg SOURCE=<repo URL> .
 #   docker build --target node-agent -t better-compute-node:0.1.0 --build-arg VERSION=0.1.0 .
 #
+# Every dependency comes from a hashed lock (requirements.lock for the operator's 'server' extra,
+# requirements-node.lock for the node agent's 'node' extra, requirements-build.lock for the
+# build backend; each file's first lines say how to refresh it) installed with --require-hashes,
+# and our own wheel with --no-deps: two builds of one commit install the same files, and a
+# changed file on the index fails the build.
+#
 # The base is pinned by version tag. It is not pinned by digest: no registry could be reached
 # where this file was written, so no digest could be read honestly. Pin one in your build
 # (--build-arg PYTHON_IMAGE=python:3.11.14-slim-trixie@sha256:…) once you have pulled it.
@@ -22,15 +28,19 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock requirements-node.lock requirements-build.lock ./
 COPY src ./src
-# Binary wheels only for the dependencies (no compiler is needed, and none is used); ours is
-# built from the source tree with setuptools, here and nowhere else.
-RUN python -m pip wheel --wheel-dir /wheels --prefer-binary '.[server,node]' \
- && for image in operator:server node:node; do \
+# Binary wheels for the dependencies where there are any (no compiler is needed, and none is
+# used), each checked against its lock's hashes; ours is built from the source tree with the
+# locked setuptools (requirements-build.lock, no build isolation that would fetch another), here
+# and nowhere else, and installed without resolving anything.
+RUN python -m pip install --require-hashes -r requirements-build.lock \
+ && python -m pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
+ && for image in operator:requirements.lock node:requirements-node.lock; do \
       venv="/opt/bcd-${image%%:*}"; \
       python -m venv "$venv" \
-      && "$venv/bin/pip" install --no-index --find-links /wheels "better-compute[${image##*:}]" \
+      && "$venv/bin/pip" install --require-hashes --prefer-binary -r "${image##*:}" \
+      && "$venv/bin/pip" install --no-deps --no-index /wheels/better_compute-*.whl \
       && "$venv/bin/python" -m compileall -q "$venv/lib" \
       && "$venv/bin/pip" uninstall --yes pip setuptools; \
     done

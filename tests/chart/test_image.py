@@ -2,9 +2,10 @@
 
 It must keep the promises the chart relies on: a slim Python 3.11 base pinned by version tag,
 built in a stage of its own, two targets (``operator``, the default, and ``node-agent``) that
-install nothing and build nothing, each with only its extra's dependencies, the non-root user
-the operator's pods run as, no HEALTHCHECK and no ENTRYPOINT (the chart sets the command), the
-OCI labels, and a build context without the virtual environment, the state or the git history.
+install nothing and build nothing, each with only its extra's dependencies from a hashed lock,
+the non-root user the operator's pods run as, no HEALTHCHECK and no ENTRYPOINT (the chart sets
+the command), the OCI labels, and a build context without the virtual environment, the state or
+the git history.
 """
 
 from __future__ import annotations
@@ -66,12 +67,16 @@ def test_the_images_build_nothing_and_run_as_the_charts_user():
     assert "useradd --system --uid 10001" in " ".join(a for i, a in runtime if i == "RUN")
 
 
-def test_each_image_gets_only_its_extra():
+def test_each_image_gets_only_its_extra_from_its_hashed_lock():
     build, _, node, operator = _stages()
     (run,) = [a for i, a in build if i == "RUN"]
-    assert "pip wheel --wheel-dir /wheels --prefer-binary '.[server,node]'" in run
-    assert "for image in operator:server node:node" in run
-    assert 'install --no-index --find-links /wheels "better-compute[${image##*:}]"' in run
+    # The build backend from its lock, then our wheel alone; each image's dependencies from
+    # its lock with every hash checked, then ours without resolving anything.
+    assert "pip install --require-hashes -r requirements-build.lock" in run
+    assert "pip wheel --no-deps --no-build-isolation --wheel-dir /wheels ." in run
+    assert "for image in operator:requirements.lock node:requirements-node.lock" in run
+    assert 'pip" install --require-hashes --prefer-binary -r "${image##*:}"' in run
+    assert 'pip" install --no-deps --no-index /wheels/better_compute-*.whl' in run
     assert ("COPY", "--from=build /opt/bcd-node /opt/bcd") in node
     assert ("COPY", "--from=build /opt/bcd-operator /opt/bcd") in operator
     assert ("CMD", '["better-compute-deviceplugin"]') in node
@@ -106,6 +111,18 @@ def test_the_labels_say_what_which_version_and_where_from():
 
 def test_the_build_context_is_only_what_the_build_copies():
     ignored = (rendering.ROOT / ".dockerignore").read_text(encoding="utf-8").split()
-    assert ignored[ignored.index("*") :][:4] == ["*", "!pyproject.toml", "!README.md", "!src/"]
+    assert ignored[ignored.index("*") :][:7] == [
+        "*",
+        "!pyproject.toml",
+        "!README.md",
+        "!requirements.lock",
+        "!requirements-node.lock",
+        "!requirements-build.lock",
+        "!src/",
+    ]
     copied = [a for i, a in _stages()[0] if i == "COPY"]
-    assert copied == ["pyproject.toml README.md ./", "src ./src"]
+    assert copied == [
+        "pyproject.toml README.md requirements.lock requirements-node.lock"
+        " requirements-build.lock ./",
+        "src ./src",
+    ]
