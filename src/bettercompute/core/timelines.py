@@ -176,16 +176,15 @@ def device_labels(atoms: Sequence[Mapping[str, Any]]) -> list[str]:
     return labels
 
 
-def nodes(atom_rows: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The answer's ``nodes`` from the inventory rows (one per atom, or one with no atom for a
-    node without any; in the order they are shown), and an index: atom id → (node index,
-    device index), node id → node index."""
+def nodes(atom_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The answer's ``nodes`` from the inventory rows: one per atom (or one with no atom for a
+    node without any), in the order the store numbered them, which the bookings' indexes
+    follow (``store.timelines``)."""
     out: list[dict[str, Any]] = []
-    by_node: dict[str, list[Mapping[str, Any]]] = {}
+    atoms_of: list[list[Mapping[str, Any]]] = []
     for row in atom_rows:
-        atoms = by_node.get(row["node_id"])
-        if atoms is None:
-            atoms = by_node[row["node_id"]] = []
+        if not out or out[-1]["id"] != row["node_id"]:
+            atoms_of.append([])
             out.append(
                 {
                     "id": row["node_id"],
@@ -199,22 +198,18 @@ def nodes(atom_rows: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]],
                 }
             )
         if row.get("atom_id") is not None:
-            atoms.append(row)
-    index: dict[str, Any] = {}
-    for n, node in enumerate(out):
-        index[node["id"]] = n
-        atoms = by_node[node["id"]]
-        for d, (atom, label) in enumerate(zip(atoms, device_labels(atoms), strict=True)):
-            node["devices"].append(
-                {
-                    "id": atom["device_id"],
-                    "label": label,
-                    "kind": atom["kind"],
-                    "healthy": bool(atom["healthy"]),
-                }
-            )
-            index[atom["atom_id"]] = (n, d)
-    return out, index
+            atoms_of[-1].append(row)
+    for node, atoms in zip(out, atoms_of, strict=True):
+        node["devices"] = [
+            {
+                "id": atom["device_id"],
+                "label": label,
+                "kind": atom["kind"],
+                "healthy": bool(atom["healthy"]),
+            }
+            for atom, label in zip(atoms, device_labels(atoms), strict=True)
+        ]
+    return out
 
 
 def state_code(state: str, *, spot: bool) -> int:
@@ -226,42 +221,18 @@ def state_code(state: str, *, spot: bool) -> int:
     return _CODE.get(state, _CODE["placed"])
 
 
-def assemble(
-    booking_rows: Iterable[Mapping[str, Any]],
-    own_rows: Iterable[Mapping[str, Any]],
-    index: Mapping[str, Any],
-) -> tuple[list[list[Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """``bookings``, ``reservations`` and ``pending`` of the answer.
-
-    ``booking_rows``: one per reservation and node (``node_id``, ``atom_ids``, ``start_ms``,
-    ``end_ms``, and ``rid`` only when the caller may see it, else ``None``). ``own_rows``: the
-    caller's reservations among them and its pending ones, with what the answer shows."""
-    own: dict[str, Mapping[str, Any]] = {}
-    pending: list[dict[str, Any]] = []
-    for row in own_rows:
-        if row["state"] == "pending":
-            pending.append(
-                {
-                    "id": row["id"],
-                    "name": row["name"],
-                    "state": row["state"],
-                    "gpus": int(row["gpus"]),
-                    "requestedStart": row["requested_start_ms"],
-                }
-            )
-            continue
-        own[row["id"]] = row
+def assemble(rows: Iterable[Mapping[str, Any]]) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+    """``bookings`` and ``reservations`` of the answer, from the store's rows: one per
+    reservation and node (``node_idx``, ``devices`` as indexes, ``start_ms``, ``end_ms``), with
+    ``rid`` and the reservation's details only when the caller may see it (else ``rid`` is
+    null, and the row becomes a ``busy`` bar with nothing of its reservation)."""
     reservations: list[dict[str, Any]] = []
     refs: dict[str, int] = {}
     bookings: list[list[Any]] = []
-    for row in booking_rows:
-        devices = sorted(index[a][1] for a in row["atom_ids"] if a in index)
-        node = index.get(row["node_id"])
-        if node is None:
-            continue  # an atom that moved to another pool since: not on this grid
+    for row in rows:
+        node, devices = row["node_idx"], row["devices"]
         rid = row["rid"]
-        detail = own.get(rid) if rid is not None else None
-        if detail is None:
+        if rid is None:
             bookings.append([node, devices, row["start_ms"], row["end_ms"], 0, None])
             continue
         ref = refs.get(rid)
@@ -270,18 +241,32 @@ def assemble(
             reservations.append(
                 {
                     "id": rid,
-                    "name": detail["name"],
-                    "state": detail["state"],
-                    "spot": bool(detail["spot"]),
-                    "gpus": int(detail["gpus"]),
-                    "start": detail["start_ms"],
-                    "end": detail["end_ms"],
-                    "labels": dict(detail["labels"] or {}),
+                    "name": row["name"],
+                    "state": row["state"],
+                    "spot": bool(row["spot"]),
+                    "gpus": int(row["gpus"]),
+                    "start": row["r_start_ms"],
+                    "end": row["r_end_ms"],
+                    "labels": dict(row["labels"] or {}),
                 }
             )
-        code = state_code(detail["state"], spot=bool(detail["spot"]))
+        code = state_code(row["state"], spot=bool(row["spot"]))
         bookings.append([node, devices, row["start_ms"], row["end_ms"], code, ref])
-    return bookings, reservations, pending
+    return bookings, reservations
+
+
+def pending(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``pending`` of the answer: the caller's reservations waiting in the pool's queue."""
+    return [
+        {
+            "id": row["rid"],
+            "name": row["name"],
+            "state": row["state"],
+            "gpus": int(row["gpus"]),
+            "requestedStart": row["requested_start_ms"],
+        }
+        for row in rows
+    ]
 
 
 def rfc3339(ms: int) -> str:
