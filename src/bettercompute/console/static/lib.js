@@ -125,6 +125,24 @@ export function toSignin() {
  * the X-Better-Compute header is the API's CSRF guard. A 401 leaves for the sign-in page.
  */
 export async function api(operation, body = {}) {
+  for (let attempt = 0; ; attempt += 1) {
+    try {
+      return await callOnce(operation, body);
+    } catch (error) {
+      // A read the server could not answer now (503, 429) is asked again after the pause it
+      // names, twice at most; a change is never repeated behind the person's back.
+      const again = error.status === 503 || error.status === 429;
+      if (!again || !READS.test(operation) || attempt >= 2) throw error;
+      const pause = Math.min(Number(error.details.retryAfterSeconds) || 1, 5);
+      await new Promise((resolve) => { setTimeout(resolve, pause * 1000); });
+    }
+  }
+}
+
+/** Operations that only read: safe to ask again. */
+const READS = /(^whoami$|\/(list|get|timeline|history|report|search|preview)$)/;
+
+async function callOnce(operation, body) {
   let answer;
   try {
     answer = await fetch("/api/compute/" + operation, {
