@@ -341,6 +341,11 @@ async def test_a_mig_pool_books_mig_instances_by_profile(
     booked = await _booked(db, placed["status"]["id"])
     assert len(booked) == 2
     assert {b["profile"] for b in booked} == {"1g.10gb"}
+    # kubectl's Free and Total columns count MIG instances here, not the 2 whole GPUs.
+    shown = await kube_api.wait_for(
+        GPUPOOLS, None, "a100-mig", lambda o: ((o or {}).get("status") or {}).get("free") == 6
+    )
+    assert shown["status"]["total"] == 8
 
     # Only two 3g.40gb instances exist: asking for three does not fit.
     manifest = kubeworld.reservation("big").pool("a100-mig").obj()
@@ -368,6 +373,13 @@ async def test_a_timeslice_pool_books_slots(kube_api: KubeApi, db: Database, ope
     ]
     [stored] = await _rows_until(db, POOL, ("shared",), bool)
     assert (stored["sharing_mode"], stored["replicas"]) == ("timeslice", 4)
+
+    # kubectl's Free and Total columns count slots here: 4 on each of the 2 GPUs.
+    def slots(o):
+        status = (o or {}).get("status") or {}
+        return (status.get("free"), status.get("total")) == (8, 8)
+
+    await kube_api.wait_for(GPUPOOLS, None, "shared", slots)
 
     manifest = kubeworld.reservation("notebook").pool("shared").obj()
     manifest["spec"]["devices"] = [{"class": "slot", "count": 3}]
