@@ -33,6 +33,9 @@ function route() {
 async function show() {
   if (current && current.dispose) current.dispose();
   current = null;
+  // The flags say the timeline on screen is drawn (tests and bench/console.py wait on them).
+  delete document.body.dataset.timelineDrawn;
+  delete document.body.dataset.timelineComplete;
   const { name, view, args } = route();
   for (const link of document.querySelectorAll("nav a")) {
     if (link.dataset.view === name) link.setAttribute("aria-current", "page");

@@ -82,7 +82,7 @@ function tooltipFor(tl, item) {
   }
   const r = tl.reservations[ref] || {};
   return h("div", { class: "tip" }, h("strong", {}, r.name || r.id || "reservation"),
-    h("div", {}, `${r.state || tl.states[code]}${r.spot ? " · spot" : ""} · ${r.gpus ?? "?"} devices`),
+    h("div", {}, `${r.state || tl.states[code]}${r.spot ? " · spot" : ""} · ${r.gpus ?? "?"} device${r.gpus === 1 ? "" : "s"}`),
     when, inUtc, h("div", { class: "muted" }, `${r.id || ""} · click to open`));
 }
 
@@ -127,8 +127,12 @@ export function drawTimeline(container, tl, options = {}) {
     const viewStart = Math.max(data.from, data.now - 6 * 3600e3);
     const viewEnd = Math.min(data.to, data.now + 3 * 86400e3);
     const zoomX = keepZoom || { startValue: viewStart, endValue: viewEnd };
-    const lastRow = Math.min(rows.length - 1, VISIBLE_ROWS - 1);
-    const zoomY = keepZoom && keepZoom.rows ? keepZoom.rows : { startValue: 0, endValue: lastRow };
+    // The rows in view: as many as fit (VISIBLE_ROWS), from the first one in view before (a
+    // node opened or closed changes how many rows there are, not where the reader is).
+    const shownRows = Math.min(rows.length, VISIBLE_ROWS);
+    const firstRow = keepZoom && keepZoom.rows
+      ? Math.max(0, Math.min(Number(keepZoom.rows.startValue) || 0, rows.length - shownRows)) : 0;
+    const zoomY = { startValue: firstRow, endValue: firstRow + shownRows - 1 };
     container.style.height = `${Math.min(rows.length, VISIBLE_ROWS) * ROW_PX + 110}px`;
     return {
       animation: false,

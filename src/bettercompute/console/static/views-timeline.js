@@ -58,7 +58,8 @@ export function firstTimeline(poolId) {
 
 /** Record that the timeline is on screen (the bench reads the mark's time). */
 function markDrawn(container, tl) {
-  performance.mark("timeline-drawn");
+  // The first timeline this page drew is what bench/console.py times.
+  if (!performance.getEntriesByName("timeline-drawn").length) performance.mark("timeline-drawn");
   container.dataset.bookings = String(tl.bookings.length);
   document.body.dataset.timelineDrawn = "1";
 }
@@ -84,7 +85,7 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
   function lists() {
     fill(waiting, tl.pending.length ? tl.pending.map((p) => activatable(
       h("li", { class: "row" }, h("span", { class: "state-tag" }, p.state), " ", p.name || p.id,
-        ` · ${p.gpus} devices · wants `, time(p.requestedStart)),
+        ` · ${plural(p.gpus, "device")} · wants `, time(p.requestedStart)),
       () => { location.hash = `#/reservations/${encodeURIComponent(p.id)}`; }, `Open ${p.name || p.id}`))
       : h("li", { class: "muted" }, "Nothing waiting."));
     // The live ones, soonest first, at most LISTED: a busy pool's tenant may hold thousands,
@@ -93,7 +94,7 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
     const own = live.slice(0, LISTED);
     fill(mine, own.length ? own.map((r) => activatable(
       h("li", { class: "row", dataset: { id: r.id } }, colourTag(r), " ", h("span", { class: "name" }, r.name || r.id),
-        h("br"), h("span", { class: "muted" }, `${r.gpus} devices · `), time(r.start), " → ", time(r.end)),
+        h("br"), h("span", { class: "muted" }, `${plural(r.gpus, "device")} · `), time(r.start), " → ", time(r.end)),
       () => { location.hash = `#/reservations/${encodeURIComponent(r.id)}`; }, `Open ${r.name || r.id}`))
       : h("li", { class: "muted" }, "None from the last day to the horizon. Use Find a window to book."),
     live.length > LISTED ? h("li", { class: "muted" }, `… and ${live.length - LISTED} more: see `,
@@ -166,7 +167,7 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
     complete = true;
     show(whole);
     if (!document.body.dataset.timelineComplete) {
-      performance.mark("timeline-complete");
+      if (!performance.getEntriesByName("timeline-complete").length) performance.mark("timeline-complete");
       document.body.dataset.timelineComplete = "1";
     }
   }
@@ -179,6 +180,10 @@ function timelinePanel(session, poolId, { onPickWindow } = {}) {
     zoomTo(a, b) { if (drawn) drawn.zoomTo(a, b); },
     dispose() { if (drawn) drawn.dispose(); },
   };
+}
+
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
 }
 
 function colourTag(r) {
