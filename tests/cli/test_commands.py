@@ -305,9 +305,16 @@ async def test_list_shows_mine_or_all_filtered_and_paged(cli: Cli):
     assert table.rc == 0, table
     header = table.stdout.splitlines()[1]
     assert header.split() == ["ID", "STATE", "POOL", "DEVICES", "START", "END"]
-    assert mine[0]["id"] in table.stdout
-    assert mine[1]["id"] in table.stdout
-    assert bobs.json()["id"] not in table.stdout
+    # A table shows each id's shortest unique start (8 characters after rsv_ here), -o wide
+    # the whole id.
+    assert mine[0]["id"][:12] in table.stdout
+    assert mine[1]["id"][:12] in table.stdout
+    assert mine[0]["id"] not in table.stdout
+    assert bobs.json()["id"][:12] not in table.stdout
+    assert max(len(line.rstrip()) for line in table.stdout.splitlines()) <= 100, table.stdout
+    wide = await cli("reservations", "list", "--tenant", "acme", "-o", "wide")
+    assert wide.rc == 0, wide
+    assert mine[0]["id"] in wide.stdout
 
     everyone = await cli("reservations", "list", "--tenant", "acme", "--all", "-o", "json")
     assert everyone.rc == 0, everyone
@@ -585,9 +592,9 @@ async def test_watch_prints_each_change_until_its_time_is_up(cli: Cli):
         if part.strip()
     ]
     assert len(tables) == 2, shown.stdout
-    assert re.search(rf"{first['id']}\s+placed", tables[0]), tables[0]
+    assert re.search(rf"{first['id'][:12]}\s+placed", tables[0]), tables[0]
     # Released is no longer live: it leaves the table.
-    assert first["id"] not in tables[1], tables[1]
+    assert first["id"][:12] not in tables[1], tables[1]
     assert "No reservations." in tables[1]
 
 
@@ -596,7 +603,7 @@ async def test_watch_one_reservation_by_prefix_shows_it_whatever_its_state(cli: 
     await cli("release", first["id"], "--tenant", "acme")
     shown = await cli("watch", first["id"][:12], "--tenant", "acme", "--for", "1s")
     assert shown.rc == 0, shown
-    assert re.search(rf"{first['id']}\s+released", shown.stdout), shown.stdout
+    assert re.search(rf"{first['id'][:12]}\s+released", shown.stdout), shown.stdout
 
 
 async def test_watch_refuses_a_busy_interval_and_an_unknown_reservation(cli: Cli):

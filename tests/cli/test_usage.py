@@ -45,7 +45,8 @@ async def test_usage_as_json_and_as_a_table(cli: Cli, server: Server, db: Databa
     table = await cli("usage", "--tenant", "acme", "--by", "pool", "--from", "-1d")
     assert table.rc == 0, table
     assert "pool_a" in table.stdout
-    assert "GPU-H" in table.stdout
+    assert "GPU-HOURS" in table.stdout
+    assert "DEVICE-SECONDS" in table.stdout
     assert "0.33" in table.stdout
 
     before = await cli(

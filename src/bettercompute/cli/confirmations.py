@@ -23,6 +23,7 @@ from rich.text import Text
 
 from bettercompute.cli import calls, client, options, output, parsing, settings
 from bettercompute.cli.settings import Output
+from bettercompute.core import durations
 
 app = typer.Typer(
     help=(
@@ -153,9 +154,9 @@ def _what(request: Any) -> str:
         if isinstance(d, dict)
     ]
     words = " + ".join(parts) or "-"
-    duration = request.get("duration")
-    if isinstance(duration, str) and duration.endswith("ms") and duration[:-2].isdigit():
-        words += f" for {parsing.format_duration(int(duration[:-2]))}"
+    duration = durations.human_text(request.get("duration"))
+    if duration is not None:
+        words += f" for {duration}"
     if request.get("poolId"):
         words += f" in {request['poolId']}"
     return words
@@ -193,9 +194,10 @@ def confirmation_list(data: Any) -> RenderableType:
     table = Table(box=box.SIMPLE, pad_edge=False)
     for column in ("ID", "STATE", "ASKS FOR", "AGENT", "PERSON", "DEADLINE"):
         table.add_column(column, no_wrap=column in ("ID", "DEADLINE"))
+    ids = output.short_ids(str(item.get("id")) for item in items)
     for item in items:
         table.add_row(
-            Text(str(item.get("id"))),
+            Text(ids[str(item.get("id"))]),
             Text(str(item.get("state"))),
             Text(_what(item.get("request"))),
             Text(str(item.get("agentId"))),

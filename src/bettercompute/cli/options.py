@@ -50,7 +50,8 @@ OutputOption = Annotated[
     typer.Option(
         "--output",
         "-o",
-        help="table for people (default), or json / yaml: the server's data exactly.",
+        help="table for people (default), wide (the table with whole ids), or json / yaml: "
+        "the server's data exactly.",
         case_sensitive=False,
         show_default=False,
         rich_help_panel=CONNECTION,

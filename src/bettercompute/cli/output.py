@@ -3,7 +3,10 @@
 Why one module: every command answers in the format of ``--output``. ``json`` and ``yaml`` print
 the ``data`` of the server's answer exactly (so scripts see the API's own shape); ``table`` draws
 a reservation as a key/value table, a list as columns (ID, STATE, POOL, DEVICES, START, END),
-with times as ISO 8601 UTC. Errors go to stderr as ``Error CODE: message``.
+with times as RFC 3339 UTC and durations with units (``8h``, ``2d3h``). A column table shows
+each id as its shortest start no other row shares (at least 8 characters after the kind, as
+git shows commits), so the default tables fit 100 columns; ``wide`` shows them whole. Errors go
+to stderr as ``Error CODE: message``, their details readable the same way.
 
 What this module must never do: change the data in ``json``/``yaml`` output, let text from the
 server be read as rich markup (a condition message with ``[brackets]`` is printed as written),
@@ -12,9 +15,11 @@ or print anything but the answer on stdout (keys, hints and progress go to stder
 
 from __future__ import annotations
 
+import contextvars
+import itertools
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
@@ -26,6 +31,7 @@ from rich.text import Text
 
 from bettercompute.cli import client, parsing
 from bettercompute.cli.settings import Output
+from bettercompute.core import durations
 
 if TYPE_CHECKING:
     # Annotations only: the CLI starts without loading pydantic.
@@ -33,6 +39,10 @@ if TYPE_CHECKING:
 
 # A table piped to a file or another program is not cut to 80 columns: ids stay whole.
 _PIPE_WIDTH = 1000
+#: The fewest characters after an id's kind (``rsv_``) a table shows.
+ID_CHARS = 8
+# Whether the table being drawn is ``-o wide`` (whole ids); set by ``emit`` around one drawing.
+_WIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("wide", default=False)
 
 
 def console(*, stream: TextIO | None = None) -> Console:
@@ -61,10 +71,14 @@ def emit(
     cutting ids to ``rsv_ab…``, which makes them useless; it is printed at its natural width
     instead and the terminal wraps the lines.
     """
-    if output != Output.TABLE:
+    if output not in (Output.TABLE, Output.WIDE):
         sys.stdout.write(dumps(data, output))
         return
-    renderable = table(data)
+    wide = _WIDE.set(output == Output.WIDE)
+    try:
+        renderable = table(data)
+    finally:
+        _WIDE.reset(wide)
     out = console()
     if keep_whole:
         unbounded = out.options.update_width(_PIPE_WIDTH)
@@ -76,7 +90,7 @@ def emit(
 
 def emit_value(value: Any, *, output: Output) -> None:
     """One queried value: raw text for a scalar in table mode, else JSON or YAML."""
-    if output == Output.TABLE:
+    if output in (Output.TABLE, Output.WIDE):
         if isinstance(value, dict | list):
             sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
         else:
@@ -112,12 +126,51 @@ def failure(error: client.Failure, *, output: Output) -> None:
     if error.details:
         if output == Output.JSON:
             lines.append(json.dumps({"details": error.details}, indent=2, ensure_ascii=False))
+        elif output == Output.YAML:
+            lines.append(dumps({"details": error.details}, Output.YAML).rstrip("\n"))
         else:
-            text = dumps({"details": error.details}, Output.YAML).rstrip("\n")
+            text = dumps({"details": readable(error.details)}, Output.YAML).rstrip("\n")
             lines.append(text)
     if error.hint:
         lines.append(f"Hint: {error.hint}")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+#: Epoch milliseconds of 2017-07 to 2128: an integer there in an answer is a time.
+_EPOCH_MS = range(1_500_000_000_000, 5_000_000_000_001)
+
+
+def readable(value: Any) -> Any:
+    """``value`` (error details, a field no table knows) as people read it: epoch
+    milliseconds as RFC 3339, durations the API writes as ``'1800000ms'`` as ``30m``."""
+    if isinstance(value, Mapping):
+        return {k: readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value in _EPOCH_MS:
+        return parsing.format_time(value)
+    if isinstance(value, str) and value.endswith("ms") and value[:-2].isdigit():
+        return durations.human_text(value) or value
+    return value
+
+
+def short_ids(ids: Iterable[str]) -> dict[str, str]:
+    """Each id and what a table shows of it: whole with ``-o wide``, else the shortest start
+    (at least ``ID_CHARS`` after the kind) that no other id of the rows shares, one length for
+    all (as git shows commits). The CLI accepts such a start wherever it takes an id."""
+    every = sorted(set(ids))
+    if _WIDE.get():
+        return {i: i for i in every}
+    length = 0
+    for one, other in itertools.pairwise(every):
+        # Sorted, an id shares its longest start with a neighbour: one more tells them apart.
+        same = next((n for n, (a, b) in enumerate(zip(one, other, strict=False)) if a != b), None)
+        length = max(length, (min(len(one), len(other)) if same is None else same) + 1)
+    shown = {}
+    for i in every:
+        kind = i.index("_") + 1 if "_" in i else 0
+        shown[i] = i[: max(length, kind + ID_CHARS)]
+    return shown
 
 
 # --- tables --------------------------------------------------------------------------------
@@ -163,10 +216,7 @@ def describe_window(during: Mapping[str, Any] | None) -> str:
     start, end = during.get("start"), during.get("end")
     text = f"{parsing.format_time(start)} → {parsing.format_time(end)}"
     if isinstance(start, int) and isinstance(end, int):
-        length = end - start
-        # Milliseconds matter to no one reading a window of hours ("12h10s", not "12h9s962ms").
-        shown = length if length < 1000 else round(length / 1000) * 1000
-        text += f" ({parsing.format_duration(shown)})"
+        text += f" ({parsing.format_duration(end - start)})"
     return text
 
 
@@ -276,10 +326,11 @@ def reservation_list(data: answers.ReservationList) -> RenderableType:
     for column in ("ID", "STATE", "POOL", "DEVICES", "START", "END"):
         # Ids and times are copied and compared: they never wrap; the rest may.
         table.add_column(column, no_wrap=column in ("ID", "STATE", "START", "END"), min_width=6)
+    ids = short_ids(str(item.get("id")) for item in items)
     for item in items:
         during: Mapping[str, Any] = item.get("during") or {}
         table.add_row(
-            Text(str(item.get("id"))),
+            Text(ids[str(item.get("id"))]),
             Text(str(item.get("state"))),
             Text(str(item.get("poolId"))),
             Text(describe_devices(item.get("request"))),
@@ -327,7 +378,7 @@ def preview(data: Any) -> RenderableType:
         ("rejected", _rejected(data.get("rejected"))),
     ]
     # Fields a newer server adds still show, so the table never hides part of an answer.
-    rows += [(k, _compact(v)) for k, v in data.items() if k not in known]
+    rows += [(k, _compact(readable(v))) for k, v in data.items() if k not in known]
     for name, value in rows:
         if value is not None:
             table.add_row(name, Text(str(value)))
@@ -471,10 +522,11 @@ def subscription_list(data: Any) -> RenderableType:
     table = Table(box=box.SIMPLE, pad_edge=False)
     for column in ("ID", "URL", "EVENTS", "CREATED"):
         table.add_column(column, no_wrap=column in ("ID", "CREATED"))
+    ids = short_ids(str(item.get("id")) for item in items)
     for item in items:
         types = item.get("eventTypes") or []
         table.add_row(
-            Text(str(item.get("id"))),
+            Text(ids[str(item.get("id"))]),
             Text(str(item.get("url"))),
             Text(", ".join(str(t) for t in types) or "all"),
             Text(parsing.format_time(item.get("createdAt"))),
@@ -490,13 +542,14 @@ def delivery_list(data: Any) -> RenderableType:
     table = Table(box=box.SIMPLE, pad_edge=False)
     for column in ("EVENT", "TYPE", "RESERVATION", "STATE", "ATTEMPTS", "LAST", "NEXT"):
         table.add_column(column, no_wrap=column != "LAST")
+    reservations = short_ids(str(item.get("reservationId")) for item in items)
     for item in items:
         status, error = item.get("lastStatus"), item.get("lastError")
         last = error or (str(status) if status is not None else "-")
         table.add_row(
             Text(str(item.get("eventId"))),
             Text(str(item.get("eventType"))),
-            Text(str(item.get("reservationId"))),
+            Text(reservations[str(item.get("reservationId"))]),
             Text(str(item.get("state"))),
             Text(str(item.get("attempts"))),
             Text(last),

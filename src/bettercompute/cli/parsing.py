@@ -103,19 +103,8 @@ def format_time(ms: int | None) -> str:
 
 
 def format_duration(ms: int) -> str:
-    """Milliseconds as people write them: ``8h``, ``2h30m``, ``1d4h``, ``1500ms``."""
-    if ms <= 0:
-        return "0s"
-    parts: list[str] = []
-    rest = ms
-    for unit in ("d", "h", "m", "s"):
-        size = durations.MS_PER_UNIT[unit]
-        if rest >= size:
-            parts.append(f"{rest // size}{unit}")
-            rest %= size
-    if rest:
-        parts.append(f"{rest}ms")
-    return "".join(parts)
+    """Milliseconds as people write them: ``8h``, ``2h30m``, ``1d4h`` (to the second)."""
+    return durations.human(ms)
 
 
 # --- query paths ---------------------------------------------------------------------------

@@ -33,6 +33,8 @@ CONFIG_KEYS = ("url", "token", "tenant")
 
 class Output(enum.StrEnum):
     TABLE = "table"
+    #: The table with whole ids (a table shows each id's shortest unique start).
+    WIDE = "wide"
     JSON = "json"
     YAML = "yaml"
 

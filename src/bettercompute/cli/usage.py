@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.console import RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -83,8 +83,8 @@ def usage(
     A reservation is billed from the moment its node bound the devices until it is released or
     its window ends, whichever comes first, never for the hours it only asked for. Devices pods
     keep past a release or the end are not billed, nor a node lease's GPUs while unhealthy.
-    GPU-h weighs a MIG instance as 1/7 of a GPU and a slot as 1/replicas; DEVICE-S counts every
-    device alike. A span covers at most 366 days.
+    GPU-HOURS weighs a MIG instance as 1/7 of a GPU and a slot as 1/replicas; DEVICE-SECONDS
+    counts every device alike. A span covers at most 366 days.
     """
     with calls.reporting(out):
         found = settings.resolve(url=url, token=token, tenant=tenant, output=out)
@@ -105,14 +105,16 @@ def report_table(data: Any) -> RenderableType:
     if not isinstance(data, dict):
         return Text(str(data))
     by = data.get("by")
-    table = Table(
-        box=box.SIMPLE,
-        pad_edge=False,
-        title=f"{data.get('tenantId')}: {parsing.format_time(data.get('from'))}"
+    # The title is a line of its own: as a table title it wraps to the table's width, mid-sentence.
+    title = Text(
+        f"{data.get('tenantId')}: {parsing.format_time(data.get('from'))}"
         f" to {parsing.format_time(data.get('to'))}",
+        no_wrap=True,
     )
-    for column in (str(by or "").upper() or "TOTAL", "GPU-H", "DEVICE-S"):
-        table.add_column(column, justify="left" if column.isalpha() else "right")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    table.add_column(str(by or "").upper() or "TOTAL")
+    for figure in ("GPU-HOURS", "DEVICE-SECONDS"):
+        table.add_column(figure, justify="right")
     for row in data.get("items") or []:
         key = {"pool": row.get("poolId"), "project": row.get("projectId")}.get(str(by))
         if by == "day":
@@ -120,7 +122,7 @@ def report_table(data: Any) -> RenderableType:
         table.add_row(str(key or "-"), _hours(row), _seconds(row))
     total = data.get("total") or {}
     table.add_row("total" if by else "all", _hours(total), _seconds(total), style="bold")
-    return table
+    return Group(title, table)
 
 
 def _hours(figures: Any) -> str:

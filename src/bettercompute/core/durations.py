@@ -75,6 +75,36 @@ def format_ms(ms: int) -> str:
     return f"{ms}ms"
 
 
+def human(ms: int) -> str:
+    """A duration as people read it: ``30m``, ``8h``, ``2d3h``, ``1h5s`` (never ``…ms``).
+
+    Units largest first, zero parts left out, rounded to the second: milliseconds matter to
+    no one reading a window of hours (``12h10s``, not ``12h9s962ms``). Shorter than half a
+    second but not zero reads ``<1s``, so nothing real shows as nothing.
+    """
+    if ms <= 0:
+        return "0s"
+    rest = (ms + 500) // 1000 * 1000
+    if rest == 0:
+        return "<1s"
+    parts: list[str] = []
+    for unit in ("d", "h", "m", "s"):
+        size = MS_PER_UNIT[unit]
+        if rest >= size:
+            parts.append(f"{rest // size}{unit}")
+            rest %= size
+    return "".join(parts)
+
+
+def human_text(value: object) -> str | None:
+    """``human`` of a duration as the API writes one (``'28800000ms'``, ``'8h'``, or an
+    integer of milliseconds), or ``None`` when ``value`` is not one."""
+    try:
+        return human(parse_duration_ms(value))
+    except DurationError:
+        return None
+
+
 def hours(ms: int) -> float:
     """Hours to three decimals, the precision policies see (``durationHours``)."""
     return round(ms / MS_PER_UNIT["h"], 3)
