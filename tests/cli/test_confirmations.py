@@ -90,8 +90,13 @@ async def test_refusals_print_the_code_and_exit_non_zero(
         refused = await cli(live, tmp_path, "confirmations", "approve", cid, token=token)
         assert refused.rc != 0, refused
         assert "Error ACCESS_DENIED" in refused.stderr
-    forged = await cli(live, tmp_path, "confirmations", "approve", "cnf_forged")
+    # A whole id that is no confirmation of yours: the server's refusal, which never says
+    # whether it exists; a start of none of yours is not found before anything is sent.
+    forged = await cli(live, tmp_path, "confirmations", "approve", "cnf_" + "0" * 26)
     assert "Error ACCESS_DENIED" in forged.stderr
+    short = await cli(live, tmp_path, "confirmations", "approve", "cnf_forged")
+    assert short.rc == 4, short
+    assert "no confirmation of yours starts with cnf_forged" in short.stderr
     outsider = await cli(live, tmp_path, "confirmations", "list", "--tenant", "acme", token=GINA)
     assert "Error ACCESS_DENIED" in outsider.stderr
     bad = await cli(live, tmp_path, "confirmations", "list", "--state", "maybe")

@@ -32,6 +32,7 @@ from bettercompute.cli import (
     calls,
     client,
     confirmations,
+    ids,
     options,
     output,
     parsing,
@@ -504,9 +505,8 @@ def reservations_get(
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         tenant_id = calls.tenant(found)
         with _client(found) as api:
-            view = api.call(
-                "reservations/get", {"tenantId": tenant_id, "reservationId": reservation_id}
-            )
+            rid = ids.reservation(api, tenant_id, reservation_id)
+            view = api.call("reservations/get", {"tenantId": tenant_id, "reservationId": rid})
         if steps is None:
             output.emit(view, output=found.output, table=output.reservation_table)
             return
@@ -569,9 +569,17 @@ def reservations_list(
 
 # --- subscriptions ---------------------------------------------------------------------------
 
+#: Where a subscription's start is looked up: the tenant's subscriptions.
+_SUBSCRIPTIONS = "events/subscriptions/list"
 SubscriptionArgument = Annotated[
     str,
-    typer.Argument(metavar="ID", help="The subscription id (sub_…).", show_default=False),
+    typer.Argument(
+        metavar="ID",
+        help="The subscription id (sub_…), or a unique start of one (4 characters or more"
+        " after sub_, which may be left out).",
+        autocompletion=ids.complete_subscription,
+        show_default=False,
+    ),
 ]
 
 
@@ -654,8 +662,10 @@ def subscriptions_delete(
     """Stop delivering to a subscription; what is still pending ends dead."""
     with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body = {"tenantId": calls.tenant(found), "subscriptionId": subscription_id}
+        chosen = calls.tenant(found)
         with _client(found) as api:
+            sid = ids.listed(api, chosen, subscription_id, ids.SUBSCRIPTION, _SUBSCRIPTIONS)
+            body = {"tenantId": chosen, "subscriptionId": sid}
             gone = api.call("events/subscriptions/delete", body)
         output.emit(gone, output=found.output, table=output.subscription)
 
@@ -681,10 +691,12 @@ def subscriptions_deliveries(
     """A subscription's delivery log, newest event first: attempts, last answer, next try."""
     with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body: dict[str, Any] = {"tenantId": calls.tenant(found), "subscriptionId": subscription_id}
-        if state is not None:
-            body["state"] = state
+        chosen = calls.tenant(found)
         with _client(found) as api:
+            sid = ids.listed(api, chosen, subscription_id, ids.SUBSCRIPTION, _SUBSCRIPTIONS)
+            body: dict[str, Any] = {"tenantId": chosen, "subscriptionId": sid}
+            if state is not None:
+                body["state"] = state
             answer = api.call("events/deliveries/list", body)
         output.emit(answer, output=found.output, table=output.delivery_list, keep_whole=True)
 
@@ -760,10 +772,11 @@ def watch(
         found = _settings(url=url, token=token, tenant=tenant, out=None)
         chosen = calls.tenant(found)
         with _client(found) as api:
+            rid = None if reservation_id is None else ids.reservation(api, chosen, reservation_id)
 
             def poll() -> dict[str, Any]:
-                if reservation_id is not None:
-                    target = {"tenantId": chosen, "reservationId": reservation_id}
+                if rid is not None:
+                    target = {"tenantId": chosen, "reservationId": rid}
                     one = api.call("reservations/get", target)
                     return {"items": [one]}
                 body: dict[str, Any] = {"tenantId": chosen, "limit": 200}
@@ -802,12 +815,11 @@ def _watch_events(
         chosen = calls.tenant(found)
         ends = None if limit_ms is None else time.monotonic() + limit_ms / 1000
         with _client(found) as api:
+            rid = None if reservation_id is None else ids.normalize(reservation_id, ids.RESERVATION)
             stream = api.events(chosen, after=after)
             try:
                 for event in _until(stream, ends):
-                    if reservation_id and not str(event.get("reservationId")).startswith(
-                        reservation_id
-                    ):
+                    if rid and not str(event.get("reservationId")).startswith(rid):
                         continue
                     output.event_line(event, output=found.output)
             except KeyboardInterrupt:
@@ -887,14 +899,16 @@ def extend(
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         tenant_id = calls.tenant(found)
         chosen_key = key or new_key()
-        body = bodies.extend(
-            tenant=tenant_id,
-            reservation_id=reservation_id,
-            key=chosen_key,
-            until_ms=None if until is None else parsing.parse_time(until, now_ms=options.now_ms()),
-            by=None if by is None else by.strip(),
-        )
         with _client(found) as api:
+            body = bodies.extend(
+                tenant=tenant_id,
+                reservation_id=ids.reservation(api, tenant_id, reservation_id),
+                key=chosen_key,
+                until_ms=None
+                if until is None
+                else parsing.parse_time(until, now_ms=options.now_ms()),
+                by=None if by is None else by.strip(),
+            )
             _print_key(chosen_key, given=key is not None)
             answer = api.call("reservations/extend", body)
         output.emit(answer, output=found.output, table=output.extend_result)
@@ -911,9 +925,10 @@ def _change(
 ) -> None:
     with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
-        body = {"tenantId": calls.tenant(found), "reservationId": reservation_id}
+        chosen = calls.tenant(found)
         with _client(found) as api:
-            view = api.call(f"reservations/{operation}", body)
+            rid = ids.reservation(api, chosen, reservation_id)
+            view = api.call(f"reservations/{operation}", {"tenantId": chosen, "reservationId": rid})
         output.emit(view, output=found.output, table=output.reservation_table)
 
 

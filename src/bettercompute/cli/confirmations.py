@@ -21,7 +21,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bettercompute.cli import calls, client, options, output, parsing, settings
+from bettercompute.cli import calls, client, ids, options, output, parsing, settings
 from bettercompute.cli.settings import Output
 from bettercompute.core import durations
 
@@ -46,7 +46,9 @@ ConfirmationArgument = Annotated[
     str,
     typer.Argument(
         metavar="ID",
-        help="The confirmation id (cnf_…), as the agent was told or 'confirmations list' shows.",
+        help="The confirmation id (cnf_…), as the agent was told or 'confirmations list' shows"
+        " (a unique start of it will do: 4 characters or more after cnf_, which may be left out).",
+        autocompletion=ids.complete_confirmation,
         show_default=False,
     ),
 ]
@@ -135,8 +137,10 @@ def _decide(
 ) -> None:
     with calls.reporting(out):
         found = settings.resolve(url=url, token=token, tenant=tenant, output=out)
-        body = {"tenantId": calls.tenant(found), "confirmationId": confirmation_id.strip()}
-        answer = _call(found, operation, body)
+        chosen = calls.tenant(found)
+        with client.ApiClient(url=found.url, token=found.token) as api:
+            cid = ids.listed(api, chosen, confirmation_id, ids.CONFIRMATION, "confirmations/list")
+            answer = api.call(operation, {"tenantId": chosen, "confirmationId": cid})
     output.emit(answer, output=found.output, table=confirmation)
 
 

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from bettercompute.cli import parsing, settings
+from bettercompute.cli import ids, parsing, settings
 from bettercompute.cli.settings import Output
 
 # --- options every command shares ----------------------------------------------------------
@@ -70,8 +70,9 @@ IdArgument = Annotated[
     str,
     typer.Argument(
         metavar="ID",
-        help="The reservation id (rsv_…), or a start of one of yours that no other shares"
-        " (8 characters or more).",
+        help="The reservation id (rsv_…), or a start of one of yours that no other shares:"
+        " 4 characters or more after rsv_, which may be left out.",
+        autocompletion=ids.complete_reservation,
         show_default=False,
     ),
 ]
@@ -116,7 +117,12 @@ OPTIONS = "Reservation options"
 
 PoolOption = Annotated[
     str,
-    typer.Option("--pool", help="The pool to book from (pool_…).", rich_help_panel=REQUEST),
+    typer.Option(
+        "--pool",
+        help="The pool to book from (pool_…).",
+        autocompletion=ids.complete_pool,
+        rich_help_panel=REQUEST,
+    ),
 ]
 GpusOption = Annotated[
     int | None,
