@@ -15,15 +15,18 @@ Routes:
 * ``POST /api/compute/reservations/{create,get,list,release,cancel,extend,renew}`` and
   ``POST /api/compute/capacity/preview``: body = the guide's JSON input; ``200 {"data": …}``.
 * ``GET /api/compute/openapi.json``, ``GET /healthz``, ``GET /readyz``: no credential needed.
+* ``GET /`` and ``/console/…``: the web console's files (``bettercompute.console``);
+  ``POST /console/session`` and ``/console/session/delete``: its sign-in (``api.sessions``).
 
 No ``/metrics`` here: this is the port tenants reach, and the metrics name every tenant.
 ``api.metrics_server`` serves this app's registry (``METRICS``) on a port of its own.
 
 Every operation call must carry ``X-Better-Compute: 1`` (a browser cannot add it to a
 cross-site request without a CORS preflight, which this API never grants) and
-``Authorization: Bearer <token>``. The body is read as JSON whatever its ``Content-Type``
-says. Every answer carries ``X-Request-Id``: the caller's, when it
-is 1-128 characters of ``[A-Za-z0-9._:-]``, else a new ``req_…`` id.
+``Authorization: Bearer <token>``, or the web console's session cookie (``api.sessions``).
+The body is read as JSON whatever its ``Content-Type`` says. Every answer carries
+``X-Request-Id``: the caller's, when it is 1-128 characters of ``[A-Za-z0-9._:-]``, else a new
+``req_…`` id.
 
 Status of each error answer, ``{"error": {"code", "message", "details"}}``:
 

@@ -42,7 +42,10 @@ _ERRORS: Mapping[int, tuple[str, str]] = {
         "header; also a request the pool cannot serve: a device class or binding it does not "
         "offer) or UNSUPPORTED",
     ),
-    401: ("Unauthenticated", "ACCESS_DENIED: the bearer token is missing or not valid"),
+    401: (
+        "Unauthenticated",
+        "ACCESS_DENIED: the bearer token (or the console's session cookie) is missing or not valid",
+    ),
     402: ("SpendLimitReached", "SPEND_LIMIT_REACHED: the caller's budget is spent"),
     403: (
         "Forbidden",
