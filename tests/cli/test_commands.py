@@ -479,11 +479,28 @@ async def test_no_tenant_given_is_the_tokens_and_without_a_token_a_usage_error(c
     assert "no tenant: pass --tenant" in result.stderr
 
 
-async def test_reserve_warns_when_the_request_can_never_fit_the_pool(cli: Cli):
+async def test_reserve_of_a_request_that_can_never_fit_exits_5_and_can_cancel_it(cli: Cli):
     never = await cli(*RESERVE, "--gpus", "9", "--for", "1h")  # nodes of 8 GPUs
-    assert never.rc == 0, never  # admitted, pending: an answer, not an error
+    # Admitted, pending, and no wait will place it: refused in effect (5), and it says why.
+    assert never.rc == 5, never
     assert re.search(r"state\s+pending", never.stdout), never
-    assert "Warning: never fits this pool: even with every device free" in never.stderr, never
+    assert re.search(
+        r"Error: rsv_\w+ can never be placed: never fits this pool: even with every device free",
+        never.stderr,
+    ), never
+    assert "Hint: it stays pending and holds its quota" in never.stderr, never
+    # It holds 9 of the 16 H100 of the quota until it is cancelled, as the hint says.
+    rid = re.search(r"better-compute cancel (rsv_\w+) --tenant acme", never.stderr)
+    assert rid is not None, never
+    cancelled = await cli("cancel", rid.group(1), "--tenant", "acme")
+    assert cancelled.rc == 0, cancelled
+    # Asked to, it cancels what can never fit: the quota is free again.
+    gone = await cli(*RESERVE, "--gpus", "9", "--for", "1h", "--cancel-if-never-fits", "-o", "json")
+    assert gone.rc == 5, gone
+    rid = gone.json()["id"]
+    assert f"Cancelled {rid} (cancelled); its quota is free again." in gone.stderr, gone
+    after = await cli("reservations", "get", rid, "--tenant", "acme", "-o", "json")
+    assert after.json()["state"] == "cancelled", after
     # One that fits gets no such warning (one that waits for devices: tests/store).
     fits = await cli(*RESERVE, "--gpus", "2", "--for", "1h")
     assert fits.rc == 0, fits

@@ -287,6 +287,16 @@ def reserve(
     timeout: options.TimeoutOption = None,
     no_wait: options.NoWaitOption = False,
     old_wait: options.OldWaitOption = None,
+    cancel_if_never_fits: Annotated[
+        bool,
+        typer.Option(
+            "--cancel-if-never-fits",
+            help="Cancel it at once if no wait can ever place it in this pool (it would hold"
+            " its quota while pending); either way that exits 5 with the reason. On a"
+            " terminal, without this, you are asked.",
+            rich_help_panel=options.OPTIONS,
+        ),
+    ] = False,
     url: options.UrlOption = None,
     token: options.TokenOption = None,
     out: options.OutputOption = None,
@@ -331,7 +341,9 @@ def reserve(
             # Printed before sending: whatever happens next, the person can retry with it.
             _print_key(chosen_key, given=key is not None)
             view = api.call("reservations/create", body)
-            if wait > 0 or wait_for is not None:
+            never = output.never_fits(view)
+            # A request no wait can place is not waited for: it is answered at once.
+            if never is None and (wait > 0 or wait_for is not None):
                 if wait_for is not None and given_wait is None:
                     deadline = time.monotonic() + WAIT_FOR_DEFAULT_S
                 try:
@@ -341,11 +353,10 @@ def reserve(
                 except client.Failure as e:
                     e.hint = waiting.waited_line(view, tenant=tenant_id, created=True)
                     raise
-        output.emit(view, output=found.output, table=output.reservation_table)
-        never = output.never_fits(view)
-        if never is not None:
-            # Admitted and pending, but no wait will place it: say so before anyone waits.
-            output.note(f"Warning: {never}; change the request or the pool, or release it")
+                never = output.never_fits(view)
+            output.emit(view, output=found.output, table=output.reservation_table)
+            if never is not None:
+                _never_fits(api, view, never, tenant=tenant_id, cancel=cancel_if_never_fits)
         if waiting.still_running(view):
             output.note(waiting.waited_line(view, tenant=tenant_id))
             if wait > 0:
@@ -357,6 +368,30 @@ def reserve(
             )
             ended = view.get("state") in waiting.ENDED
             raise typer.Exit(Exit.FAILED if ended else Exit.WAIT_RAN_OUT)
+
+
+def _never_fits(
+    api: client.ApiClient, view: dict[str, Any], never: str, *, tenant: str, cancel: bool
+) -> None:
+    """A reservation admitted pending that no wait will place: it holds its quota for nothing
+    until its pending deadline, so say so, cancel it when asked (``--cancel-if-never-fits``, or
+    yes to the question a terminal gets), and exit 5 (refused) either way."""
+    rid = str(view.get("id"))
+    output.note(f"Error: {rid} can never be placed: {never}")
+    if not cancel and sys.stdin.isatty() and sys.stderr.isatty():
+        cancel = typer.confirm(
+            f"Cancel {rid} now? While pending it holds its quota", default=True, err=True
+        )
+    if cancel:
+        cancelled = api.call("reservations/cancel", {"tenantId": tenant, "reservationId": rid})
+        output.note(f"Cancelled {rid} ({cancelled.get('state')}); its quota is free again.")
+    else:
+        output.note(
+            f"Hint: it stays pending and holds its quota: change the request or the pool, and"
+            f" cancel it with `better-compute cancel {rid} --tenant {tenant}` (or reserve with"
+            " --cancel-if-never-fits)"
+        )
+    raise typer.Exit(Exit.REFUSED)
 
 
 def _earliest(api: client.ApiClient, ask: bodies.Ask) -> int:
