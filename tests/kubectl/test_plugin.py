@@ -295,8 +295,8 @@ async def test_reserve_waits_until_ready_and_prints_the_nodes_and_window(
     assert "Pool: h100 (the only GPUPool)" in ran.err
     assert f"{NS}/{name}" in ran.out
     assert re.search(rf"Nodes:\s+{node}\b", ran.out), ran.out
-    start = ready["status"]["startTime"][:16].replace("T", " ")
-    end = ready["status"]["endTime"][:16].replace("T", " ")
+    start = ready["status"]["startTime"][:19]
+    end = ready["status"]["endTime"][:19]
     assert re.search(rf"Window:\s+{start}Z to {end}Z", ran.out), ran.out
     assert "active (Ready)" in ran.out
 
@@ -396,8 +396,8 @@ async def test_get_shows_the_row_with_real_times_and_one_with_its_conditions(
     (row,) = rows
     assert "<invalid>" not in ran.out
     assert max(len(line) for line in ran.out.splitlines()) <= 100, ran.out
-    start = placed["status"]["startTime"][:16].replace("T", " ")
-    end = placed["status"]["endTime"][:16].replace("T", " ")
+    start = placed["status"]["startTime"][:19]
+    end = placed["status"]["endTime"][:19]
     assert re.match(
         rf"train\s+(placed|binding)\s+False\s+2\s+h100\s+{end}Z \(in (7h|8h)\)$", row
     ), row
@@ -599,7 +599,7 @@ async def test_extend_moves_the_end_and_says_so(world: World, plugin: Plugin) ->
     assert stored["status"]["extension"]["key"] == stored["spec"]["extendKey"]
     assert stored["status"]["extension"]["extended"] is True
     assert stored["status"]["during"]["end"] == end + 2 * 3_600_000
-    new_end = stored["status"]["endTime"][:16].replace("T", " ")
+    new_end = stored["status"]["endTime"][:19]
     assert ran.out.startswith(f"reservation.bcd.dev/train extended: it now ends {new_end}Z (in ")
 
     # Again, to an absolute end: a new key, until in place of extendBy.
@@ -630,7 +630,7 @@ async def test_an_extend_blocked_by_a_later_booking_exits_6_with_available_until
     assert ran.code == 6, (ran.out, ran.err)
     stored = world.kube.stored(RESERVATIONS, NS, "first")
     assert stored["status"]["extension"]["extended"] is False
-    shown = blocker[:16].replace("T", " ")
+    shown = blocker[:19]
     assert ran.out.startswith(
         "reservation.bcd.dev/first not extended: another booking starts first; its devices"
         f" are free until {shown}Z"

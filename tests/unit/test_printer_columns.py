@@ -3,7 +3,7 @@
 The Reservation's projected status (``operator.statuses``, what the operator writes) is rendered
 through the CRD's own printer columns the way kubectl renders a Table
 (``tests/support/printercolumns``): no cell may read ``<invalid>``, and a window shows as
-``2026-12-24 08:00Z`` whether it is over or still to come.
+``2026-12-24T08:00:00Z`` whether it is over or still to come.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def reservation(state: str, start: int, end: int, **view) -> dict:
             "released",
             NOW_MS - 5 * HOUR,
             NOW_MS - 2 * HOUR,
-            "2026-12-04 07:00Z",
-            "2026-12-04 10:00Z",
+            "2026-12-04T07:00:00Z",
+            "2026-12-04T10:00:00Z",
             "False",
         ),
         # Running: started, ends in the future.
@@ -69,8 +69,8 @@ def reservation(state: str, start: int, end: int, **view) -> dict:
             "active",
             NOW_MS - HOUR,
             NOW_MS + 7 * HOUR,
-            "2026-12-04 11:00Z",
-            "2026-12-04 19:00Z",
+            "2026-12-04T11:00:00Z",
+            "2026-12-04T19:00:00Z",
             "True",
         ),
         # Booked for later: both ends in the future.
@@ -78,8 +78,8 @@ def reservation(state: str, start: int, end: int, **view) -> dict:
             "placed",
             NOW_MS + 20 * HOUR,
             NOW_MS + 28 * HOUR,
-            "2026-12-05 08:00Z",
-            "2026-12-05 16:00Z",
+            "2026-12-05T08:00:00Z",
+            "2026-12-05T16:00:00Z",
             "False",
         ),
     ],

@@ -2,7 +2,7 @@
 
 Why it exists: a Reservation's ``spec.start`` and ``spec.until`` are RFC 3339 times, as every
 Kubernetes time is, while the core, the HTTP API and the database count epoch milliseconds.
-The conversion both ways, and the short form printer columns show (``2026-12-24 08:00Z``),
+The conversion both ways, and the form printer columns show (``2026-12-24T08:00:00Z``),
 live here so the operator and the kubectl plugin read and write them alike.
 
 Pure: no clock, no I/O. Never guesses a time zone: a time without one is refused.
@@ -53,8 +53,10 @@ def rfc3339(ms: int, *, exact: bool = False) -> str:
 
 
 def shown(ms: int) -> str:
-    """``ms`` as a printer column shows it: ``2026-12-24 08:00Z`` (UTC, to the minute)."""
-    return (_EPOCH + dt.timedelta(milliseconds=ms)).strftime("%Y-%m-%d %H:%MZ")
+    """``ms`` as a printer column shows it: ``2026-12-24T08:00:00Z``, RFC 3339 in UTC to the
+    second, as every time people read is shown (a string: a date column would show a future
+    time as ``<invalid>``)."""
+    return rfc3339(ms)
 
 
 def relative(ms: int, *, now_ms: int) -> str:

@@ -3,7 +3,7 @@ show.
 
 Why it exists: a Reservation's times are RFC 3339 strings (``spec.start``, ``spec.until``,
 ``status.startTime``), its durations strings like ``8h`` (``spec.duration``,
-``spec.extendBy``), and people read them best as ``2026-12-24 08:00Z (in 3h)``. Reading an
+``spec.extendBy``), and people read them best as ``2026-12-24T08:00:00Z (in 3h)``. Reading an
 option, normalising it for the API and showing a time live here once, so every command agrees;
 the rules are the core's (``core.moments`` for times, ``core.durations`` for durations), the
 ones the operator applies to the same strings.
@@ -76,7 +76,7 @@ def read(value: object) -> dt.datetime | None:
 
 
 def short(moment: dt.datetime) -> str:
-    """``2026-12-24 08:00Z``: UTC, to the minute (as the Reservation's columns show it)."""
+    """``2026-12-24T08:00:00Z``: RFC 3339 in UTC (as the Reservation's columns show it)."""
     return moments.shown(durations.to_ms(moment))
 
 
@@ -86,7 +86,7 @@ def relative(moment: dt.datetime, *, now: dt.datetime) -> str:
 
 
 def shown(value: object, *, now: dt.datetime) -> str:
-    """A time as a table shows it: ``2026-12-24 08:00Z (in 3h)``; ``-`` when there is none."""
+    """A time as a table shows it: ``2026-12-24T08:00:00Z (in 3h)``; ``-`` when there is none."""
     moment = read(value)
     if moment is None:
         return "-" if value in (None, "") else str(value)
