@@ -713,3 +713,21 @@ def test_same_result_for_any_input_order(snapshot: Snapshot, demand: Demand, see
     assert place(snapshot=_shuffled(snapshot, seed), demand=demand) == place(
         snapshot=snapshot, demand=demand
     )
+
+
+def test_a_node_too_small_for_the_devices_says_so_before_its_host() -> None:
+    # Nodes of 8 GPUs and 512 GiB: 9 GPUs with 600 GiB fail on both counts, and the devices are
+    # the reason to name first (more host memory would never make 9 GPUs fit).
+    built = SnapshotBuilder().node("a", gpus=8).node("b", gpus=8).busy("a.g0").build()
+    nodes = [replace(n, host={"vcpu": 64, "memoryGiB": 512}) for n in built.nodes]
+    snapshot = replace(built, nodes=nodes)
+    outcome = place(snapshot=snapshot, demand=Demand([gpu(9)], host={"memoryGiB": 600}))
+    assert isinstance(outcome, NoFit)
+    assert outcome.never
+    assert outcome.message == (
+        f"{NEVER}: even with every device free, 0 of 2 nodes fit: 2 too few free gpu"
+    )
+    # The host is named when it is what is short.
+    short = place(snapshot=snapshot, demand=Demand([gpu(2)], host={"memoryGiB": 600}))
+    assert isinstance(short, NoFit)
+    assert short.message.endswith("0 of 2 nodes fit: 2 too little free host memoryGiB")

@@ -328,11 +328,23 @@ def _screen(
         actual = labels.get(name)
         if actual is None or (value != "*" and actual != value):
             return _Reject("labels", f"needs label {name}={value}")
+    # The devices before the host: a node too small for the devices is the more fundamental
+    # reason ("too few free gpu" for 9 GPUs on nodes of 8, not "too little free host memory").
+    fit = (
+        _screen_whole_node(node=node, stock=stock)
+        if whole_node
+        else _screen_devices(node=node, stock=stock, ask=ask)
+    )
+    if isinstance(fit, _Reject):
+        return fit
     for name, need in ask.host:
         if node.host.get(name, 0) - (host_busy or {}).get(name, 0) < need:
             return _Reject("capacity", f"too little free host {name}")
-    if whole_node:
-        return _screen_whole_node(node=node, stock=stock)
+    return fit
+
+
+def _screen_devices(*, node: Node, stock: _Stock, ask: _Ask) -> _Fit | _Reject:
+    """The node's fit for the devices asked (its best-fit score), or why they do not fit."""
     plan = _plan(ask=ask, counts=stock.usable, domains=stock.usable_domains)
     if isinstance(plan, _Shortfall):
         return _why_not(shortfall=plan, stock=stock, ask=ask)
