@@ -7,6 +7,7 @@ stdout, and the key, hints and errors on stderr.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import re
 import time
@@ -367,6 +368,18 @@ async def test_extend_by_and_until(cli: Cli):
     assert "Extended." in until.stdout
     got = await cli("reservations", "get", rid, "--tenant", "acme", "--query", "during.end")
     assert abs(int(got.stdout) - asked) < 60_000, got
+    # +13h was resolved once, to the second, and the line to retry with names that time and
+    # the key: run later, it is the same request, answered the same, and moves nothing.
+    exact = re.search(r"Until: (\S+Z) \(\+13h\)", until.stderr)
+    assert exact is not None, until
+    assert dt.datetime.fromisoformat(exact.group(1)).timestamp() * 1000 == int(got.stdout)
+    retry = re.search(r"to retry this same extend safely: better-compute (extend .+)\)$",
+                      until.stderr, re.MULTILINE)  # fmt: skip
+    assert retry is not None, until
+    assert f"--until {exact.group(1)} --key {key_of(until.stderr)}" in retry.group(1)
+    again = await cli(*retry.group(1).split(), "-o", "json")
+    assert again.rc == 0, again
+    assert again.json()["reservation"]["during"]["end"] == int(got.stdout)
 
     reached = await cli("extend", rid, "--tenant", "acme", "--until", "+1h")
     assert reached.rc == 0, reached

@@ -934,19 +934,36 @@ def extend(
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         tenant_id = calls.tenant(found)
         chosen_key = key or new_key()
+        # Resolved once, to the second: the retry line names this very time, so a retry sends
+        # the same body with the same key (``+12h`` again would be another request).
+        until_ms = (
+            None
+            if until is None
+            else parsing.parse_time(until, now_ms=options.now_ms()) // 1000 * 1000
+        )
         with _client(found) as api:
+            rid = ids.reservation(api, tenant_id, reservation_id)
             body = bodies.extend(
                 tenant=tenant_id,
-                reservation_id=ids.reservation(api, tenant_id, reservation_id),
+                reservation_id=rid,
                 key=chosen_key,
-                until_ms=None
-                if until is None
-                else parsing.parse_time(until, now_ms=options.now_ms()),
+                until_ms=until_ms,
                 by=None if by is None else by.strip(),
             )
-            _print_key(chosen_key, given=key is not None)
+            exact = parsing.format_time(until_ms)
+            what = f"--by {by.strip()}" if by is not None else f"--until {exact}"
+            if until is not None and until.strip() != exact:
+                output.note(f"Until: {exact} ({until.strip()})")
+            # Printed before sending: whatever happens next, this retries the same extend.
+            output.note(
+                f"Idempotency key: {chosen_key} (to retry this same extend safely:"
+                f" better-compute extend {rid} --tenant {tenant_id} {what} --key {chosen_key})"
+            )
             answer = api.call("reservations/extend", body)
         output.emit(answer, output=found.output, table=output.extend_result)
+        if not answer.get("extended") and answer.get("availableUntil") is not None:
+            # Another booking blocks it: a conflict with the pool's state (docs/cli.md).
+            raise typer.Exit(Exit.CONFLICT)
 
 
 def _change(
