@@ -208,3 +208,18 @@ async def test_reserve_reads_the_renamed_flags_old_spellings(stand_in: StandIn, 
     both = await reserve(stand_in, tmp_path, "--timeout", "5s", "--no-wait")
     assert both.rc == 2, both
     assert "--no-wait" in both.stderr
+
+
+async def test_a_released_reservations_binding_reads_as_past(stand_in: StandIn, tmp_path: Path):
+    device = "bcd.dev/gpu=GPU-0"
+    bound = {"nodeId": "node_1", "cdiDevices": [device], "envFile": "/run/bcd/a.env"}
+    stand_in.gets = [{**view("succeeded", "released"), "binding": bound}]
+    released = await run_cli("reservations", "get", RID, "--tenant", "acme",
+                             "--url", stand_in.url, "--token", "t", home=tmp_path)  # fmt: skip
+    assert released.rc == 0, released
+    assert "hold (past: bound until it was released)" in released.stdout, released
+    stand_in.gets = [{**view("succeeded", "active"), "binding": bound}]
+    active = await run_cli("reservations", "get", RID, "--tenant", "acme",
+                           "--url", stand_in.url, "--token", "t", home=tmp_path)  # fmt: skip
+    assert "past" not in active.stdout, active
+    assert device in active.stdout, active

@@ -31,7 +31,7 @@ from rich.text import Text
 
 from bettercompute.cli import client, parsing
 from bettercompute.cli.settings import Output
-from bettercompute.core import durations
+from bettercompute.core import durations, moments
 
 if TYPE_CHECKING:
     # Annotations only: the CLI starts without loading pydantic.
@@ -259,7 +259,7 @@ def _conditions(view: Mapping[str, Any]) -> str:
         if c.get("reason"):
             line += f" ({c['reason']})"
         if c.get("message"):
-            line += f": {c['message']}"
+            line += f": {moments.readable_message(str(c['message']))}"
         lines.append(line)
     return "\n".join(lines) or "none"
 
@@ -276,7 +276,9 @@ def _operation(view: Mapping[str, Any]) -> str:
 def _binding(view: Mapping[str, Any]) -> str:
     kind = str((view.get("request") or {}).get("binding", "hold"))
     binding = view.get("binding") or {}
-    lines = [kind]
+    # An ended reservation's binding is history, not devices it holds now.
+    ended = binding and view.get("state") in ("released", "expired", "cancelled", "failed")
+    lines = [f"{kind} (past: bound until it was {view.get('state')})" if ended else kind]
     for device in binding.get("cdiDevices") or []:
         lines.append(str(device))
     for key in ("envFile", "cgroupParent"):
