@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -50,12 +51,15 @@ async def test_create_list_delete(cli: Cli, server: Server):
     assert sub["id"] not in listed.stdout
     assert sub["secret"] not in listed.stdout
     assert "reservation.placed, reservation.released" in listed.stdout
+    assert listed.stdout.split("\n")[1].split()[:2] == ["ID", "STATE"], listed.stdout
+    assert re.search(rf"{sub['id'][:12]}\s+active\s+", listed.stdout), listed.stdout
     as_json = await cli("subscriptions", "list", "-o", "json")
     assert as_json.json() == await server.call("events/subscriptions/list", {"tenantId": "acme"})
 
-    gone = await cli("subscriptions", "delete", sub["id"])
+    gone = await cli("subscriptions", "disable", sub["id"])
     assert gone.rc == 0, gone
-    assert "disabled" in gone.stdout
+    assert re.search(r"state\s+disabled", gone.stdout), gone
+    # 'delete' is the old name, still read: the subscription is already disabled.
     again = await cli("subscriptions", "delete", sub["id"])
     assert again.rc == 4, again
     assert "Error NOT_FOUND" in again.stderr

@@ -129,7 +129,8 @@ subscriptions_app = typer.Typer(
         "Examples:\n\n"
         "  better-compute subscriptions create --url https://hooks.example.com/compute"
         " --event reservation.placed\n"
-        "  better-compute subscriptions deliveries sub_… --state dead"
+        "  better-compute subscriptions deliveries sub_… --state dead\n"
+        "  better-compute subscriptions disable sub_…"
     ),
     no_args_is_help=True,
 )
@@ -685,16 +686,21 @@ def subscriptions_list(
 
 
 @subscriptions_app.command(
-    "delete", epilog=_examples("better-compute subscriptions delete sub_… --tenant acme")
+    "disable",
+    epilog=_examples("better-compute subscriptions disable sub_… --tenant acme"),
 )
-def subscriptions_delete(
+# 'delete' is its old name (docs/cli.md, "Renamed flags"): the server keeps the subscription,
+# disabled, with its delivery log, so 'disable' says what happens.
+@subscriptions_app.command("delete", hidden=True)
+def subscriptions_disable(
     subscription_id: SubscriptionArgument,
     tenant: options.TenantOption = None,
     url: options.UrlOption = None,
     token: options.TokenOption = None,
     out: options.OutputOption = None,
 ) -> None:
-    """Stop delivering to a subscription; what is still pending ends dead."""
+    """Stop delivering to a subscription, for good: it is kept, disabled, with its delivery
+    log; what is still pending ends dead."""
     with calls.reporting(out):
         found = _settings(url=url, token=token, tenant=tenant, out=out)
         chosen = calls.tenant(found)

@@ -517,18 +517,19 @@ def subscription(data: Any) -> RenderableType:
 
 
 def subscription_list(data: Any) -> RenderableType:
-    """``events.subscriptions.list``: ID, URL, EVENTS, CREATED."""
+    """``events.subscriptions.list``: ID, STATE, URL, EVENTS, CREATED."""
     items = data.get("items") if isinstance(data, dict) else None
     if not items:
         return Text("No subscriptions.")
     table = Table(box=box.SIMPLE, pad_edge=False)
-    for column in ("ID", "URL", "EVENTS", "CREATED"):
-        table.add_column(column, no_wrap=column in ("ID", "CREATED"))
+    for column in ("ID", "STATE", "URL", "EVENTS", "CREATED"):
+        table.add_column(column, no_wrap=column in ("ID", "STATE", "CREATED"))
     ids = short_ids(str(item.get("id")) for item in items)
     for item in items:
         types = item.get("eventTypes") or []
         table.add_row(
             Text(ids[str(item.get("id"))]),
+            Text(str(item.get("state") or "-")),
             Text(str(item.get("url"))),
             Text(", ".join(str(t) for t in types) or "all"),
             Text(parsing.format_time(item.get("createdAt"))),
