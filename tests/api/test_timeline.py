@@ -145,6 +145,17 @@ async def test_members_of_the_root_tenant_see_every_booking_by_name(shared: Api)
     assert all(row[5] is not None for row in data["bookings"])
 
 
+async def test_a_released_reservations_past_booking_stays_as_ended(shared: Api):
+    made = await shared.ok("reservations/create", create_body(start=None))
+    await shared.ok("reservations/release", {"tenantId": "acme", "reservationId": made["id"]})
+    data = await shared.ok("pools/timeline", {"poolId": POOL})
+    (mine,) = data["reservations"]
+    assert mine["state"] == "released"
+    (row,) = data["bookings"]
+    assert row[4] == timelines.STATES.index("ended")
+    assert row[5] == 0
+
+
 async def test_pending_reservations_of_the_caller_are_listed_beside_the_grid(shared: Api):
     whole = [{"class": "gpu", "count": 8}]
     await shared.ok("reservations/create", create_body(idempotencyKey="a", devices=whole))

@@ -1,13 +1,14 @@
 """A pool's timeline (``pools.timeline``) and a reservation's history (``reservations.history``):
-their inputs, and the pure half of building the timeline's answer.
+their inputs, the window's rules, the device labels and the history's shape.
 
 Why it exists: the web console draws every booking of a pool on one grid, rows the nodes and
 their devices, and must get it in one request for a pool of 200 nodes × 8 GPUs with 20,000
 bookings. So the answer is compact: devices are indexes into their node's list, bookings are
 arrays ``[node, [device, …], start, end, stateCode, ref]``, one per reservation and node, and
 only the caller's own bookings carry a ``ref`` into the list of its reservations. Everyone
-else's is a ``busy`` bar and nothing more: the store never reads their ids out of the database
-(``store.timelines``), and ``assemble`` cannot give one a ``ref``.
+else's is a ``busy`` bar and nothing more: the store builds the bookings in the database and
+never reads another tenant's reservation columns (``store.timelines``, which numbers the
+states as ``STATES`` and ``ENDED`` say).
 
 What it must never do: I/O or clocks ("now" is the database's, passed in), or put anything of
 a booking the caller may not see into the answer.
@@ -37,7 +38,8 @@ MAX_SPAN_MS = 62 * DAY_MS
 #: their reservation's state, ``spot`` for spot reservations, ``ended`` for one released,
 #: expired, cancelled or failed (its past bookings stay on the grid).
 STATES: tuple[str, ...] = ("busy", "placed", "binding", "active", "releasing", "spot", "ended")
-_CODE = {name: code for code, name in enumerate(STATES)}
+#: The states whose bookings are ``ended``.
+ENDED: tuple[str, ...] = ("released", "expired", "cancelled", "failed")
 
 
 _RFC3339 = re.compile(
@@ -210,49 +212,6 @@ def nodes(atom_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             for atom, label in zip(atoms, device_labels(atoms), strict=True)
         ]
     return out
-
-
-def state_code(state: str, *, spot: bool) -> int:
-    """The ``stateCode`` of one of the caller's own bookings."""
-    if state in ("released", "expired", "cancelled", "failed"):
-        return _CODE["ended"]
-    if spot:
-        return _CODE["spot"]
-    return _CODE.get(state, _CODE["placed"])
-
-
-def assemble(rows: Iterable[Mapping[str, Any]]) -> tuple[list[list[Any]], list[dict[str, Any]]]:
-    """``bookings`` and ``reservations`` of the answer, from the store's rows: one per
-    reservation and node (``node_idx``, ``devices`` as indexes, ``start_ms``, ``end_ms``), with
-    ``rid`` and the reservation's details only when the caller may see it (else ``rid`` is
-    null, and the row becomes a ``busy`` bar with nothing of its reservation)."""
-    reservations: list[dict[str, Any]] = []
-    refs: dict[str, int] = {}
-    bookings: list[list[Any]] = []
-    for row in rows:
-        node, devices = row["node_idx"], row["devices"]
-        rid = row["rid"]
-        if rid is None:
-            bookings.append([node, devices, row["start_ms"], row["end_ms"], 0, None])
-            continue
-        ref = refs.get(rid)
-        if ref is None:
-            ref = refs[rid] = len(reservations)
-            reservations.append(
-                {
-                    "id": rid,
-                    "name": row["name"],
-                    "state": row["state"],
-                    "spot": bool(row["spot"]),
-                    "gpus": int(row["gpus"]),
-                    "start": row["r_start_ms"],
-                    "end": row["r_end_ms"],
-                    "labels": dict(row["labels"] or {}),
-                }
-            )
-        code = state_code(row["state"], spot=bool(row["spot"]))
-        bookings.append([node, devices, row["start_ms"], row["end_ms"], code, ref])
-    return bookings, reservations
 
 
 def pending(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
