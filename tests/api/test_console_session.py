@@ -5,8 +5,9 @@ carrying the cookie, a forged or revoked cookie."""
 from __future__ import annotations
 
 import httpx
+from aiohttp.test_utils import make_mocked_request
 
-from bettercompute.api import sessions
+from bettercompute.api import fairness, sessions
 from tests.api.conftest import Api, create_body
 
 CSRF = {"X-Better-Compute": "1"}
@@ -165,3 +166,18 @@ async def test_signing_out_clears_the_cookie(api: Api):
     assert "Max-Age=0" in cleared
     assert "HttpOnly" in cleared
     assert "SameSite=Strict" in cleared
+
+
+def test_a_cookie_is_counted_as_its_token_for_the_clients_share():
+    # api.fairness counts requests in flight per token: a browser's cookie is its token, so a
+    # page cannot escape the per-token share by leaving the header out.
+    by_cookie = make_mocked_request(
+        "POST", "/api/compute/whoami", headers={"Cookie": f"{sessions.COOKIE}=token-of-alice"}
+    )
+    by_header = make_mocked_request(
+        "POST", "/api/compute/whoami", headers={"Authorization": "Bearer token-of-alice"}
+    )
+    key = fairness.token_key(sessions.authorization(by_cookie))
+    assert key is not None
+    assert key == fairness.token_key(sessions.authorization(by_header))
+    assert sessions.authorization(make_mocked_request("GET", "/")) == ""
