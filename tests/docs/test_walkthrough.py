@@ -11,6 +11,7 @@ marked one that does not, or an API error answered to a ``curl``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,7 +23,8 @@ import pytest
 
 from tests.dev.test_running import free_port
 from tests.docs import walkthrough
-from tests.docs.walkthrough import Dev, Shell, Step
+from tests.docs.walkthrough import Dev, Outcome, Shell, Step
+from tests.support import epochs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -57,11 +59,40 @@ def shell_after_dev(dev: Dev, home: Path, *, installed: bool = False) -> Shell:
     return shell
 
 
-def run_all(shell: Shell, steps: list[Step]) -> None:
+def run_all(shell: Shell, steps: list[Step]) -> list[tuple[Step, Outcome]]:
+    ran = []
     for step in steps:
         outcome = shell.run(step)
         problem = walkthrough.failure(step, outcome)
         assert problem is None, problem + "\n--- the steps so far\n" + "\n".join(shell.transcript)
+        ran.append((step, outcome))
+    return ran
+
+
+# What programs read, where the API's epoch milliseconds and '28800000ms' durations belong.
+_FOR_PROGRAMS = re.compile(r"^curl |(-o|--output)[ =](json|yaml)\b|--query\b|\bmcp\b", re.M)
+
+
+def epoch_ms_shown(ran: list[tuple[Step, Outcome]]) -> list[str]:
+    """Each step whose output for people shows an epoch-ms time or a duration in ms."""
+    return [
+        f"{step.where}: {step.command}\n  shows {epochs.found(out.stdout + out.stderr)}"
+        for step, out in ran
+        if not _FOR_PROGRAMS.search(step.command) and epochs.found(out.stdout + out.stderr)
+    ]
+
+
+# Human commands beyond the walkthrough's, on what it left: every list, a released
+# reservation, a decided confirmation, usage by day, the subscriptions.
+MORE_FOR_PEOPLE = [
+    "better-compute reservations list --tenant acme --all",
+    "better-compute reservations get rsv_… --tenant acme",
+    "better-compute confirmations list --tenant acme --state approved",
+    "better-compute usage --tenant acme --from -1d --by day",
+    "better-compute subscriptions list --tenant acme",
+    "better-compute pools --tenant acme",
+    "better-compute capacity --find --tenant acme --pool pool_h100 --gpus 8 --for 24h",
+]
 
 
 def steps_of(page: Path, *headings: str) -> list[Step]:
@@ -72,7 +103,7 @@ def test_the_readme_walkthrough_runs_on_a_fresh_dev(dev: Dev, tmp_path: Path) ->
     shell = shell_after_dev(dev, tmp_path)
     steps = steps_of(README, "A five-minute walkthrough")
     assert len(steps) >= 20, [s.command for s in steps]
-    run_all(shell, steps)
+    ran = run_all(shell, steps)
     # The demo is sized for the walkthrough: nothing it asked for is left waiting for room.
     answer = httpx.post(
         f"{dev.url}/api/compute/reservations/list",
@@ -88,6 +119,12 @@ def test_the_readme_walkthrough_runs_on_a_fresh_dev(dev: Dev, tmp_path: Path) ->
     assert pending == [], pending
     # The README tells the reader what dev prints: one export line.
     assert "with the `export` line `dev` printed" in README.read_text()
+    # Times people read are RFC 3339 and durations have units, in tables, errors and details
+    # alike (the CONFIRMATION_REQUIRED refusal's expiresAt among them), and in dev's banner.
+    ran += run_all(shell, [Step("more", command) for command in MORE_FOR_PEOPLE])
+    assert epoch_ms_shown(ran) == []
+    banner = "\n".join(dev.printed[: dev.printed.index("Press Ctrl-C to stop.")])
+    assert epochs.found(banner) == [], banner
 
 
 def test_the_readme_kube_steps_need_dev_kube() -> None:
@@ -203,3 +240,15 @@ def test_a_step_that_exits_otherwise_than_its_page_says_fails(tmp_path: Path) ->
     assert "ended before it was interrupted" in (walkthrough.failure(quick, shell.run(quick)) or "")
     served = Step("p:6", "sleep 30", until_ctrl_c=True)
     assert walkthrough.failure(served, shell.run(served)) is None
+
+
+def test_epoch_ms_in_output_for_people_is_found_and_in_output_for_programs_is_not() -> None:
+    details = Outcome(5, "", "details:\n  expiresAt: 1796534722946\n  duration: 1800000ms\n")
+    told = epoch_ms_shown([(Step("p:1", "better-compute reserve --gpus 6"), details)])
+    assert len(told) == 1
+    assert "1796534722946" in told[0]
+    assert "1800000ms" in told[0]
+    for command in ("better-compute get rsv_… -o json", "curl -X POST …", "x --query during"):
+        assert epoch_ms_shown([(Step("p:2", command), details)]) == []
+    fine = Outcome(0, "during 2026-12-24T08:00:00Z → 2026-12-24T16:00:00Z (8h)", "")
+    assert epoch_ms_shown([(Step("p:3", "better-compute get rsv_…"), fine)]) == []

@@ -17,8 +17,10 @@ import pytest
 from aiohttp import web
 
 from bettercompute.core import moments
+from bettercompute.mcp import door
 from tests.cli.conftest import serve
 from tests.mcp.conftest import called, error_text, tools
+from tests.support import epochs
 
 EXPIRES_MS = 1_790_000_000_000
 
@@ -109,6 +111,7 @@ async def test_confirmation_is_an_answer_and_the_retry_reaches_the_same_request(
     assert "approve confirmation cnf_1" in instruction
     assert f"before {moments.rfc3339(EXPIRES_MS)}" in instruction
     assert "call reserve_gpus again with exactly the same arguments" in instruction
+    assert epochs.found(instruction + asked["message"]) == []  # read by a model and a person
     assert asked_again == asked
 
     assert made["outcome"] == "created"
@@ -174,3 +177,16 @@ async def test_other_refusals_of_this_server_stay_errors(approver: tuple[Approve
         missing = await client.call_tool("get_reservation", {"reservation_id": "rsv_gone"})
     assert missing.is_error
     assert "NOT_FOUND: no reservations/get here" in error_text(missing)
+
+
+def test_a_refusals_text_shows_its_times_as_rfc_3339():
+    # The text a tool error carries is read; the details' epoch-ms times are shown as RFC 3339.
+    refused = door.Refused(
+        "CONFLICT",
+        "another booking starts first",
+        details={"availableUntil": EXPIRES_MS, "nested": [{"start": EXPIRES_MS}], "count": 2},
+    )
+    text = refused.text()
+    assert epochs.found(text) == [], text
+    assert text.count(moments.rfc3339(EXPIRES_MS, exact=True)) == 2
+    assert '"count": 2' in text

@@ -11,14 +11,18 @@ booked.
 
 from __future__ import annotations
 
+import datetime as dt
+import io
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from bettercompute.iam import policies
+from bettercompute.kubectl import tables
 from bettercompute.operator.running import Operator
 from tests.operator.conftest import World
-from tests.support import kubeworld
+from tests.support import epochs, kubeworld
 from tests.support.kubeobjects import EVENTS, RESERVATIONS, SERVICE_ACCOUNTS
 from tests.support.policies import CountingPolicy
 
@@ -110,6 +114,33 @@ async def test_the_agents_request_waits_for_the_person_and_is_placed_once_approv
     assert placed["status"]["id"] == status["id"]  # the same draft, not a new reservation
     assert placed["status"]["confirmation"]["answer"] == "approve by alice@acme"
     assert placed["status"]["gpus"] == 2
+    assert await shown_to_people(world, waiting, placed) == []
+
+
+#: Human surfaces that keep an epoch-ms time because the guide fixes it: the
+#: ``ConfirmationRequired`` condition's message is "the deadline in epoch milliseconds" (tables
+#: show it as RFC 3339, ``moments.readable_message``).
+EPOCH_MS_BY_THE_GUIDE = {"ConfirmationRequired"}
+
+
+async def shown_to_people(world: World, *objs: dict[str, Any]) -> list[str]:
+    """Epoch-ms times and ms durations in what people read of ``objs``: the condition messages
+    the operator wrote, the Events it posted, and ``kubectl bcd``'s tables of them."""
+    found = []
+    for obj in objs:
+        for c in obj["status"].get("conditions") or ():
+            if c["type"] not in EPOCH_MS_BY_THE_GUIDE and epochs.found(c.get("message") or ""):
+                found.append(f"condition {c['type']}: {c['message']}")
+        now = dt.datetime.now(dt.UTC)
+        console = Console(width=100, record=True, file=io.StringIO())
+        console.print(tables.reservations([obj], now=now, wide=True))
+        console.print(tables.reservation(obj, now=now))
+        if hits := epochs.found(console.export_text()):
+            found.append(f"kubectl bcd tables: {hits}\n{console.export_text()}")
+    for event in await world.kube.list(EVENTS, "ml"):
+        if hits := epochs.found(event.get("message") or ""):
+            found.append(f"event {event.get('reason')}: {event.get('message')} {hits}")
+    return found
 
 
 async def test_a_denied_request_is_denied_and_books_nothing(world: World, operator: Operator):

@@ -31,7 +31,7 @@ from rich.text import Text
 
 from bettercompute.cli import client, parsing
 from bettercompute.cli.settings import Output
-from bettercompute.core import durations
+from bettercompute.core import durations, moments
 
 if TYPE_CHECKING:
     # Annotations only: the CLI starts without loading pydantic.
@@ -259,7 +259,7 @@ def _conditions(view: Mapping[str, Any]) -> str:
         if c.get("reason"):
             line += f" ({c['reason']})"
         if c.get("message"):
-            line += f": {c['message']}"
+            line += f": {moments.readable_message(str(c['message']))}"
         lines.append(line)
     return "\n".join(lines) or "none"
 

@@ -59,6 +59,17 @@ def shown(ms: int) -> str:
     return rfc3339(ms)
 
 
+def readable_message(message: str) -> str:
+    """A condition message as people read it. The guide makes ``ConfirmationRequired``'s
+    message the deadline in epoch milliseconds, and it stays so where programs read it (the
+    API, ``status.conditions``); a table shows it as ``deadline 2026-12-24T08:30:00Z``. Any
+    other message is returned as it is."""
+    text = message.strip()
+    if text.isascii() and text.isdigit() and len(text) == 13:
+        return f"deadline {rfc3339(int(text))}"
+    return message
+
+
 def relative(ms: int, *, now_ms: int) -> str:
     """How far ``ms`` is from ``now_ms``, as people say it: ``in 3h``, ``12m ago``, ``now``."""
     delta_s = (ms - now_ms) // 1000

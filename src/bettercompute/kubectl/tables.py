@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from bettercompute.core import moments
 from bettercompute.kube import dra
 from bettercompute.kubectl import specs, times
 
@@ -166,7 +167,7 @@ def reservation(obj: Mapping[str, Any], *, now: dt.datetime) -> RenderableType:
             _cell(found.get("status")),
             _cell(found.get("reason")),
             _cell(times.relative(moment, now=now) if (moment := times.read(since)) else since),
-            _cell(specs.one_line(str(found.get("message") or ""))),
+            _cell(specs.one_line(moments.readable_message(str(found.get("message") or "")))),
         )
         table.columns[-1].no_wrap = False
     return Group(details, Text(""), Text("Conditions:", style="bold"), table)

@@ -98,10 +98,12 @@ class Refused(Exception):
         self.hint = hint
 
     def text(self) -> str:
-        """``CODE: message``, then the details as JSON and a hint, one line each."""
+        """``CODE: message``, then the details as JSON (times in them as RFC 3339: this text is
+        read, not parsed) and a hint, one line each."""
         lines = [f"{self.code}: {self.message}"]
         if self.details:
-            lines.append(f"Details: {json.dumps(self.details, sort_keys=True, default=str)}")
+            details = json.dumps(as_read(self.details), sort_keys=True, default=str)
+            lines.append(f"Details: {details}")
         if self.hint:
             lines.append(f"Hint: {self.hint}")
         return "\n".join(lines)
@@ -147,6 +149,20 @@ def epoch_ms(value: str, *, field: str) -> int:
         return moments.parse_ms(value.strip())
     except moments.MomentError as e:
         raise invalid(field, str(e)) from None
+
+
+def as_read(value: Any) -> Any:
+    """``value`` with each epoch-millisecond time it holds as RFC 3339, for text."""
+    if isinstance(value, list):
+        return [as_read(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    return {
+        key: moments.rfc3339(item, exact=True)
+        if key in _MS_FIELDS and isinstance(item, int) and not isinstance(item, bool)
+        else as_read(item)
+        for key, item in value.items()
+    }
 
 
 def with_times(value: Any) -> Any:
