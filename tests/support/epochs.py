@@ -19,8 +19,8 @@ import re
 EPOCH_MS = re.compile(
     r"(?<![\w.-])(?:1[5-9]|[2-4][0-9])[0-9]{11}(?![\w.])|(?<![\w.-])5000000000000(?![\w.])"
 )
-#: A duration written in milliseconds, as the API stores it (``1800000ms``).
-MS_DURATION = re.compile(r"(?<![\w.-])[0-9]{4,}ms\b")
+#: A duration written in milliseconds, as the API stores it (``1800000ms``, or ``1800000 ms``).
+MS_DURATION = re.compile(r"(?<![\w.-])[0-9]{4,} ?ms\b")
 
 
 def found(text: str) -> list[str]:

@@ -253,11 +253,11 @@ DECIDE: dict[str, Row] = {
         NOW,
         Fail(
             "MaxPendingExceeded",
-            "pending longer than the pool's maxPending (3600000 ms)",
+            "pending longer than the pool's maxPending (1h)",
             cond(
                 "Unschedulable",
                 "MaxPendingExceeded",
-                "pending longer than the pool's maxPending (3600000 ms)",
+                "pending longer than the pool's maxPending (1h)",
             ),
         ),
     ),
@@ -338,11 +338,11 @@ DECIDE: dict[str, Row] = {
         NOW,
         Fail(
             "MaxPendingExceeded",
-            "pending longer than the pool's maxPending (3600000 ms)",
+            "pending longer than the pool's maxPending (1h)",
             cond(
                 "Unschedulable",
                 "MaxPendingExceeded",
-                "pending longer than the pool's maxPending (3600000 ms)",
+                "pending longer than the pool's maxPending (1h)",
             ),
         ),
     ),

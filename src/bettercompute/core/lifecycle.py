@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bettercompute.core import pools, states
-from bettercompute.core.durations import to_ms
+from bettercompute.core.durations import human, to_ms
 from bettercompute.core.states import Condition, Reason, State
 
 #: A binding the node has not reported within this long is tried elsewhere, …
@@ -284,7 +284,7 @@ def _pending(r: Reservation, now: dt.datetime) -> Step:
     ):
         return _fail(
             Reason.MAX_PENDING_EXCEEDED,
-            f"pending longer than the pool's maxPending ({pool.max_pending_ms} ms)",
+            f"pending longer than the pool's maxPending ({human(pool.max_pending_ms)})",
             Condition.UNSCHEDULABLE,
             now,
         )
