@@ -133,12 +133,12 @@ async function start() {
   // A view of a named pool asks for its timeline at once, beside whoami and pools.list,
   // rather than after them: on a busy pool it is the slowest answer the page waits for.
   const first = route();
-  charts().catch(() => {}); // on its way while the first answers are; a view says if it failed
   if (first.name === "timeline" && first.args[0]) {
     const answer = firstTimeline(first.args[0]);
     answer.catch(() => {}); // awaited by the view; a failure is shown there
     session.prefetch = { poolId: first.args[0], answer };
   }
+  charts().catch(() => {}); // on its way while the first answers are; a view says if it failed
   try {
     session.me = await api("whoami", {});
   } catch (error) {

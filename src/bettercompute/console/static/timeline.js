@@ -15,6 +15,10 @@ function colourOf(states, code) {
   return PALETTE[states[code]] || PALETTE.busy;
 }
 
+function heightFor(rows) {
+  return `${Math.min(rows, VISIBLE_ROWS) * ROW_PX + 110}px`;
+}
+
 /** Rows: every node, and under an expanded node its devices. */
 function buildRows(tl, expanded) {
   const rows = [];
@@ -96,6 +100,8 @@ export function drawTimeline(container, tl, options = {}) {
   let highlights = [];
   let layout = null;
   let data = tl;
+  // The height first: init measures the container, and a resize later would draw twice.
+  container.style.height = heightFor(buildRows(data, expanded).rows.length);
   const chart = echarts.init(container, null, { renderer: "canvas" });
   let drawnOnce = false;
   chart.on("finished", () => {
@@ -133,7 +139,7 @@ export function drawTimeline(container, tl, options = {}) {
     const firstRow = keepZoom && keepZoom.rows
       ? Math.max(0, Math.min(Number(keepZoom.rows.startValue) || 0, rows.length - shownRows)) : 0;
     const zoomY = { startValue: firstRow, endValue: firstRow + shownRows - 1 };
-    container.style.height = `${Math.min(rows.length, VISIBLE_ROWS) * ROW_PX + 110}px`;
+    container.style.height = heightFor(rows.length);
     return {
       animation: false,
       aria: { enabled: true, label: { description:
@@ -156,10 +162,11 @@ export function drawTimeline(container, tl, options = {}) {
         { id: "x-slider", type: "slider", xAxisIndex: 0, filterMode: "weakFilter", bottom: 12, height: 22,
           minValueSpan: 3600e3, startValue: zoomX.startValue, endValue: zoomX.endValue,
           labelFormatter: (v) => localText(v) },
-        { id: "y-slider", type: "slider", yAxisIndex: 0, filterMode: "weakFilter", right: 8, width: 16,
+        // A bar lies in one row: rows out of view are filtered out before drawing.
+        { id: "y-slider", type: "slider", yAxisIndex: 0, filterMode: "filter", right: 8, width: 16,
           startValue: zoomY.startValue, endValue: zoomY.endValue, showDetail: false, zoomLock: true,
           show: rows.length > VISIBLE_ROWS },
-        { id: "y-inside", type: "inside", yAxisIndex: 0, filterMode: "weakFilter", zoomOnMouseWheel: false,
+        { id: "y-inside", type: "inside", yAxisIndex: 0, filterMode: "filter", zoomOnMouseWheel: false,
           moveOnMouseWheel: true, moveOnMouseMove: false, zoomLock: true },
       ],
       series: [
@@ -219,8 +226,9 @@ export function drawTimeline(container, tl, options = {}) {
 
   function redraw(keep = true) {
     const keepZoom = keep ? currentZoom() : null;
+    const height = container.style.height;
     chart.setOption(option(keepZoom), { notMerge: true, lazyUpdate: false });
-    chart.resize();
+    if (container.style.height !== height) chart.resize(); // a node opened or closed
   }
 
   chart.on("click", (p) => {
@@ -246,7 +254,6 @@ export function drawTimeline(container, tl, options = {}) {
   const onResize = () => chart.resize();
   window.addEventListener("resize", onResize);
   chart.setOption(option(null));
-  chart.resize();
 
   return {
     chart,
