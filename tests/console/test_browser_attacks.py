@@ -67,7 +67,13 @@ async def test_tenant_b_never_receives_tenant_a_bookings(
     )
     assert busy >= 1
     await screenshot(page, "tenant-b-timeline")
-    for view in ("#/find/pool_h100", "#/reservations", "#/quota", "#/confirmations"):
+    # Not globex's pool: the server refuses it a Kubernetes binding, and the box is not offered.
+    async with page.expect_response("**/api/compute/capacity/preview") as probe:
+        await page.goto("/console/#/find/pool_h100")
+    assert (await probe.value).status == 400
+    await page.wait_for_timeout(100)
+    assert not await page.locator("#kubernetes").is_visible()
+    for view in ("#/reservations", "#/quota", "#/confirmations"):
         await page.goto(f"/console/{view}")
         await page.wait_for_load_state("networkidle")
     await page.goto(f"/console/#/reservations/{theirs['id']}")

@@ -81,6 +81,8 @@ async def test_find_a_window_reserve_it_see_it_live_and_release_it(
 ) -> None:
     page = await open_console("alice", "#/find/pool_h100")
     await page.wait_for_selector("body[data-timeline-drawn='1']")
+    # alice's tenant owns pool_h100, whose policy allows Kubernetes: the box is offered.
+    await page.locator("#kubernetes").wait_for()
     await page.fill("#count", "2")
     await page.fill("#duration", "3h")
     await page.click("#find-form button[type=submit]")

@@ -225,6 +225,29 @@ function numberField(id, label, attrs = {}) {
   return { input, field: h("label", { class: "field", for: id }, label, " ", input) };
 }
 
+/**
+ * Whether the caller may book this pool with binding "kubernetes" (only a pool its tenant
+ * owns whose policy allows it): the server says, to a preview of one device of the pool's
+ * kind with that binding, which it refuses naming the field "binding" otherwise.
+ */
+async function kubernetesAllowed(session, poolId, tl) {
+  const device = tl && tl.nodes.flatMap((n) => n.devices)[0];
+  if (!device) return false;
+  const ask = { class: device.kind, count: 1 };
+  if (device.kind === "mig") {
+    const profile = /· (\S+) #/.exec(device.label);
+    if (!profile) return false;
+    ask.profile = profile[1];
+  }
+  try {
+    await api("capacity/preview", { tenantId: session.me.tenantId, poolId, devices: [ask],
+      duration: "1h", binding: "kubernetes" });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 export async function findView(main, session, poolArg) {
   if (!session.pools.length) {
     fill(main, h("h1", {}, "Find a window"), noPools());
@@ -284,13 +307,17 @@ export async function findView(main, session, poolArg) {
     fill(panelBox, h("h2", {}, "The pool's timeline"), panel.element);
     fill(results);
     fill(booking);
+    kubeField.hidden = true;
+    kubernetes.checked = false;
     try {
       await panel.load();
-      // Only where the pool says so (its owner is the caller's tenant and its policy allows it).
-      kubeField.hidden = !(panel.data && panel.data.pool && panel.data.pool.kubernetes === true);
     } catch (e) {
       fill(panelBox, errorBox(e, "Loading the timeline"));
+      return;
     }
+    const asked = poolId;
+    const allowed = await kubernetesAllowed(session, poolId, panel.data);
+    if (asked === poolId) kubeField.hidden = !allowed;
   }
 
   let lastWindows = [];
