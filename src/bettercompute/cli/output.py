@@ -68,8 +68,9 @@ def emit(
     """Print the answer: the server's data for json/yaml, ``table(data)`` for people.
 
     ``keep_whole`` is for column tables: rich would otherwise fit one to a narrow terminal by
-    cutting ids to ``rsv_ab…``, which makes them useless; it is printed at its natural width
-    instead and the terminal wraps the lines.
+    cutting ids to ``rsv_ab…``, which makes them useless. Its columns that may wrap (devices,
+    URLs, event types) wrap to fit the terminal; only when the columns that never wrap (ids,
+    states, times) are wider than it is the table drawn wider, and the terminal wraps the lines.
     """
     if output not in (Output.TABLE, Output.WIDE):
         sys.stdout.write(dumps(data, output))
@@ -82,9 +83,9 @@ def emit(
     out = console()
     if keep_whole:
         unbounded = out.options.update_width(_PIPE_WIDTH)
-        natural = Measurement.get(out, unbounded, renderable).maximum
-        if natural > out.width:
-            out = Console(file=sys.stdout, width=natural, highlight=False, soft_wrap=False)
+        needed = Measurement.get(out, unbounded, renderable).minimum
+        if needed > out.width:
+            out = Console(file=sys.stdout, width=needed, highlight=False, soft_wrap=False)
     out.print(renderable)
 
 
@@ -546,11 +547,12 @@ def delivery_list(data: Any) -> RenderableType:
     for column in ("EVENT", "TYPE", "RESERVATION", "STATE", "ATTEMPTS", "LAST", "NEXT"):
         table.add_column(column, no_wrap=column != "LAST")
     reservations = short_ids(str(item.get("reservationId")) for item in items)
+    events = short_ids(str(item.get("eventId")) for item in items)
     for item in items:
         status, error = item.get("lastStatus"), item.get("lastError")
         last = error or (str(status) if status is not None else "-")
         table.add_row(
-            Text(str(item.get("eventId"))),
+            Text(events[str(item.get("eventId"))]),
             Text(str(item.get("eventType"))),
             Text(reservations[str(item.get("reservationId"))]),
             Text(str(item.get("state"))),
