@@ -147,13 +147,16 @@ async def test_reserve_sends_every_request_option(cli: Cli):
         str(start),
         "--gang",
         "2",
-        "--kubernetes",
+        "--binding",
+        "kubernetes",
         "--spot",
         "--project",
         "proj_1",
     )
-    assert result.rc == 0, result
-    # pool_k has no nodes: pending and Unschedulable, shown with the placer's reason.
+    # pool_k has no nodes: pending and Unschedulable, shown with the placer's reason, and no
+    # wait will place it (exit 5; it stays, as asked without --cancel-if-never-fits).
+    assert result.rc == 5, result
+    assert "can never be placed: never fits this pool: the pool has no nodes" in result.stderr
     assert re.search(r"state\s+pending", result.stdout), result
     assert re.search(r"conditions\s+Unschedulable \(NoFit\)", result.stdout), result
     assert re.search(r"binding\s+kubernetes", result.stdout), result
@@ -618,7 +621,7 @@ async def test_watch_prints_each_change_until_its_time_is_up(cli: Cli):
     assert shown.rc == 0, shown
     tables = [
         part
-        for part in re.split(r"^— \d\d:\d\d:\d\dZ.*$", shown.stdout, flags=re.M)
+        for part in re.split(r"^— \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ.*$", shown.stdout, flags=re.M)
         if part.strip()
     ]
     assert len(tables) == 2, shown.stdout
