@@ -34,7 +34,8 @@ T = TypeVar("T")
 
 
 def _stamp() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%H:%M:%SZ")
+    """When the table was drawn, in RFC 3339 as every time people read."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _fingerprint(answer: dict[str, Any]) -> list[tuple[Any, ...]]:
