@@ -7,15 +7,19 @@ stdout, and the key, hints and errors on stderr.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
+import os
+import pty
 import re
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from tests.cli.conftest import BOB, Cli, Server, run_cli
+from tests.cli.conftest import ALICE, BOB, Cli, Server, run_cli
 
 RESERVE = ("reserve", "--tenant", "acme", "--pool", "pool_a")
 HOUR_MS = 3_600_000
@@ -675,3 +679,36 @@ async def test_watch_events_of_another_tenant_is_refused(cli: Cli):
     refused = await cli("watch", "--events", "--tenant", "globex", "--for", "1s")
     assert refused.rc == 5, refused
     assert "ACCESS_DENIED" in refused.stderr, refused
+
+
+async def test_reserve_on_a_terminal_asks_to_cancel_what_can_never_fit(
+    server: Server, tmp_path: Path
+):
+    # stdin and stderr a terminal (a pty), as a person runs it: the question comes, "y" cancels.
+    controller, terminal = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BETTER_COMPUTE_")}
+    env.update({"HOME": str(tmp_path), "COLUMNS": "200", "NO_COLOR": "1"})
+    env.update({"BETTER_COMPUTE_URL": server.url, "BETTER_COMPUTE_TOKEN": ALICE})
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bettercompute.cli.app",
+        *RESERVE, "--gpus", "9", "--for", "1h", "-o", "json",
+        stdin=terminal, stdout=asyncio.subprocess.PIPE, stderr=terminal, env=env,
+    )  # fmt: skip
+    os.close(terminal)
+    said = b""
+    try:
+        async with asyncio.timeout(30):
+            while b"[Y/n]" not in said:
+                said += await asyncio.to_thread(os.read, controller, 4096)
+            os.write(controller, b"y\n")
+            out, _ = await process.communicate()
+            with contextlib.suppress(OSError):  # the pty closes with the process
+                said += await asyncio.to_thread(os.read, controller, 4096)
+    finally:
+        os.close(controller)
+    assert process.returncode == 5, said.decode()
+    rid = json.loads(out)["id"]
+    assert f"Cancel {rid} now? While pending it holds its quota" in said.decode()
+    assert f"Cancelled {rid} (cancelled)" in said.decode()
+    after = await server.call("reservations/get", {"tenantId": "acme", "reservationId": rid})
+    assert after["state"] == "cancelled"
