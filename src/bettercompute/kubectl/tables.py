@@ -19,7 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bettercompute.core import moments
+from bettercompute.core import durations, moments
 from bettercompute.kube import dra
 from bettercompute.kubectl import specs, times
 
@@ -133,7 +133,7 @@ def reservation(obj: Mapping[str, Any], *, now: dt.datetime) -> RenderableType:
         ("Ready", ready_of(obj)),
         ("Pool", spec.get("poolId")),
         ("Devices", _devices(spec)),
-        ("Duration", spec.get("duration")),
+        ("Duration", durations.human_text(spec.get("duration")) or spec.get("duration")),
         ("Binding", spec.get("binding") or "hold"),
         ("Spot", "yes" if spec.get("spot") else None),
         ("GPUs", status.get("gpus")),
