@@ -101,10 +101,17 @@ export async function quotaView(main, session) {
   };
 }
 
+/** A stored duration (milliseconds, "7200000ms" or "2h30m") as "2h 30m". */
+function durationText(value) {
+  if (typeof value === "number") return duration(value);
+  const ms = /^(\d+)ms$/.exec(String(value));
+  return ms ? duration(Number(ms[1])) : String(value);
+}
+
 function describeRequest(request) {
   const parts = [describeDevices(request)];
   if (request && request.poolId) parts.push(`on ${request.poolId}`);
-  if (request && request.duration) parts.push(`for ${typeof request.duration === "number" ? duration(request.duration) : request.duration}`);
+  if (request && request.duration) parts.push(`for ${durationText(request.duration)}`);
   return parts.join(" ");
 }
 
