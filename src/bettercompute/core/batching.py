@@ -88,15 +88,19 @@ def plan(
     atoms: Sequence[placement.Atom],
     booked: Sequence[Booked],
     queued: Sequence[Queued],
+    index: placement.PoolIndex | None = None,
 ) -> list[Decision]:
     """One decision per queued request, in the order they were placed (fair order, or largest
-    first when that places a strict superset; see the module's rule)."""
+    first when that places a strict superset; see the module's rule). ``index``: the pool's
+    ``placement.PoolIndex`` of ``nodes`` and ``atoms`` when the caller keeps one."""
+    if index is None or index.nodes is not nodes or index.atoms is not atoms:
+        index = placement.PoolIndex(nodes, atoms)
     ordered = fair_order(queued)
-    fair = _greedy(nodes, atoms, booked, ordered)
+    fair = _greedy(index, booked, ordered)
     if all(isinstance(d.outcome, placement.Placed) for d in fair):
         return fair
     largest = sorted(ordered, key=lambda q: -q.size)  # stable: fair order among equals
-    packed = _greedy(nodes, atoms, booked, largest)
+    packed = _greedy(index, booked, largest)
     placed_fair = _placed_ids(fair)
     placed_packed = _placed_ids(packed)
     if placed_packed > placed_fair:  # a strict superset: nobody older is overtaken
@@ -109,15 +113,12 @@ def _placed_ids(decisions: Sequence[Decision]) -> set[str]:
 
 
 def _greedy(
-    nodes: Sequence[placement.Node],
-    atoms: Sequence[placement.Atom],
-    booked: Sequence[Booked],
-    ordered: Sequence[Queued],
+    index: placement.PoolIndex, booked: Sequence[Booked], ordered: Sequence[Queued]
 ) -> list[Decision]:
     taken = list(booked)
     decisions: list[Decision] = []
     for q in ordered:
-        snapshot = _snapshot(nodes, atoms, taken, q.start, q.end)
+        snapshot = _snapshot(index, taken, q.start, q.end)
         outcome = placement.place(snapshot=snapshot, demand=q.demand)
         if isinstance(outcome, placement.Placed):
             taken.extend(_bookings(q, outcome))
@@ -126,8 +127,7 @@ def _greedy(
 
 
 def _snapshot(
-    nodes: Sequence[placement.Node],
-    atoms: Sequence[placement.Atom],
+    index: placement.PoolIndex,
     booked: Sequence[Booked],
     start: dt.datetime,
     end: dt.datetime,
@@ -144,7 +144,13 @@ def _snapshot(
                 use = host_busy.setdefault(b.host_node, dict.fromkeys(hosts.BOOKED, 0))
                 for name in hosts.BOOKED:
                     use[name] += int(b.host.get(name, 0))
-    return placement.Snapshot(nodes=nodes, atoms=atoms, busy=frozenset(busy), host_busy=host_busy)
+    return placement.Snapshot(
+        nodes=index.nodes,
+        atoms=index.atoms,
+        busy=frozenset(busy),
+        host_busy=host_busy,
+        index=index,
+    )
 
 
 def _bookings(q: Queued, outcome: placement.Placed) -> list[Booked]:

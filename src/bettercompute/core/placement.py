@@ -15,15 +15,21 @@ is counted against the first that rejects it. Capacity covers the host too: a de
 host CPUs, memory or huge pages fits only a node whose bookable rows, less what other
 reservations book there in the window, hold them. Among the nodes that fit, best fit wins: the node
 left with the fewest free matching atoms, tie-broken by node name then id.
+
+Why a ``PoolIndex``: a big pool's placements must not cost more than a small pool's. The index
+is built once per inventory (the store caches it with the nodes and atoms) and holds each
+node's atoms as counts, grouped with the nodes whose static shape is the same (readiness,
+labels, host, atom counts). A placement then screens one node per group for every node that
+no reservation touches in the window, one per group for the nodes booked full, and node by node
+only the few that are partly booked: same verdicts, same best fit, far fewer nodes visited.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 AtomKind = Literal["gpu", "mig", "slot"]
 
@@ -62,6 +68,9 @@ class Snapshot:
     busy: frozenset[str]  # atom ids already booked in an overlapping window
     #: Node id -> what other reservations book of its host in an overlapping window.
     host_busy: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    #: ``PoolIndex(nodes, atoms)`` when the caller keeps one per inventory; used only when it
+    #: was built from these very ``nodes`` and ``atoms`` objects, otherwise built afresh.
+    index: PoolIndex | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -121,9 +130,11 @@ _FILTERS = ("ready", "labels", "health", "capacity", "topology", "gang")
 # What one device entry may take from: the atom kind, plus the profile for MIG.
 _Pool = tuple[str, str | None]
 
-# The fields that decide what an atom counts towards; read in C by ``Counter(map(...))`` because
-# the pass over all atoms is the one part of a placement whose cost grows with the pool.
-_ATOM_KEY = attrgetter("node_id", "kind", "profile", "nvlink_domain", "healthy")
+_T = TypeVar("_T")
+
+# What an atom counts towards: its node, its pool (kind, and profile for MIG), its NVLink domain
+# and its health.
+_Key = tuple[str, str, str | None, str | None, bool]
 
 
 class _Stock:
@@ -132,12 +143,164 @@ class _Stock:
     __slots__ = ("free", "sick", "sick_domains", "size", "usable", "usable_domains")
 
     def __init__(self) -> None:
-        self.size = 0  # all atoms; counted for whole-node demands only
+        self.size = 0  # all atoms, busy ones included
         self.free = 0  # atoms not in ``busy``
         self.usable: dict[_Pool, int] = {}  # healthy and not busy
         self.usable_domains: dict[str, int] = {}  # usable GPUs per NVLink domain
         self.sick: dict[_Pool, int] = {}  # unhealthy and not busy
         self.sick_domains: dict[str, int] = {}
+
+    def count(self, key: _Key, n: int) -> None:
+        """Add ``n`` atoms of ``key`` (a negative ``n`` takes them away)."""
+        _, kind, profile, domain, healthy = key
+        self.free += n
+        counts, domains = (
+            (self.usable, self.usable_domains) if healthy else (self.sick, self.sick_domains)
+        )
+        pool = (kind, profile)
+        _add(counts, pool, n)
+        if kind == "gpu" and domain is not None:
+            _add(domains, domain, n)
+
+    def copy(self) -> _Stock:
+        out = _Stock()
+        out.size, out.free = self.size, self.free
+        out.usable, out.usable_domains = dict(self.usable), dict(self.usable_domains)
+        out.sick, out.sick_domains = dict(self.sick), dict(self.sick_domains)
+        return out
+
+    def shape(self) -> tuple[object, ...]:
+        """What screening reads of the stock, NVLink domains by their counts rather than their
+        names: equal shapes, equal verdicts (only a plan's domain names differ)."""
+        domains = self.usable_domains.keys() | self.sick_domains.keys()
+        return (
+            self.size,
+            self.free,
+            frozenset(self.usable.items()),
+            frozenset(self.sick.items()),
+            tuple(
+                sorted(
+                    (self.usable_domains.get(d, 0), self.sick_domains.get(d, 0)) for d in domains
+                )
+            ),
+        )
+
+
+def _add(counts: dict[_T, int], key: _T, n: int) -> None:
+    # A count that drops to zero leaves the map: an empty map means "none" (``if stock.sick``).
+    left = counts.get(key, 0) + n
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Nodes of one static shape: every one screens as ``members[0]`` does."""
+
+    members: tuple[Node, ...]  # by name, then id: the best-fit tie-break
+    stock: _Stock  # each member's stock with nothing booked
+    emptied: _Stock  # the same with every atom booked
+
+
+class PoolIndex:
+    """A pool's nodes and atoms prepared once for many placements (see the module's "Why a
+    ``PoolIndex``"). Immutable once built: placements only read it."""
+
+    def __init__(self, nodes: Sequence[Node], atoms: Sequence[Atom]) -> None:
+        self.nodes = nodes
+        self.atoms = atoms
+        #: The pool's nodes by id (a repeated id: the first one is the node).
+        self.node_of: dict[str, Node] = {}
+        for node in nodes:
+            self.node_of.setdefault(node.id, node)
+        #: Each node's stock with nothing booked.
+        self.stocks: dict[str, _Stock] = {node_id: _Stock() for node_id in self.node_of}
+        #: Each node's atoms, in the snapshot's order (atoms of a node outside the pool: none).
+        self.atoms_of: dict[str, list[Atom]] = {node_id: [] for node_id in self.node_of}
+        #: Atom id -> its node, for counting busy atoms per node without visiting the others.
+        self._node_of_atom: dict[str, str] = {}
+        self._repeated: dict[str, list[str]] = {}  # atom ids listed more than once: their nodes
+        self._keys_of: dict[str, list[tuple[str, _Key]]] = {n: [] for n in self.node_of}
+        for atom in atoms:
+            stock = self.stocks.get(atom.node_id)
+            if stock is None:  # atoms of a node outside the pool can't be booked here
+                continue
+            key: _Key = (
+                atom.node_id,
+                atom.kind,
+                atom.profile if atom.kind == "mig" else None,
+                atom.nvlink_domain,
+                atom.healthy,
+            )
+            stock.size += 1
+            stock.count(key, 1)
+            self.atoms_of[atom.node_id].append(atom)
+            self._keys_of[atom.node_id].append((atom.id, key))
+            if atom.id in self._repeated:
+                self._repeated[atom.id].append(atom.node_id)
+            elif atom.id in self._node_of_atom:
+                self._repeated[atom.id] = [self._node_of_atom.pop(atom.id), atom.node_id]
+            else:
+                self._node_of_atom[atom.id] = atom.node_id
+        shapes: dict[tuple[object, ...], list[Node]] = {}
+        for node in self.node_of.values():
+            shape = (
+                node.ready and node.connected,
+                frozenset(node.labels.items()),
+                frozenset(node.host.items()),
+                self.stocks[node.id].shape(),
+            )
+            shapes.setdefault(shape, []).append(node)
+        self.groups: tuple[_Group, ...] = tuple(
+            _Group(
+                members=tuple(sorted(members, key=lambda n: (n.name, n.id))),
+                stock=self.stocks[members[0].id],
+                emptied=_emptied(self.stocks[members[0].id]),
+            )
+            for members in shapes.values()
+        )
+        #: Node id -> the number of its group in ``groups``.
+        self.group_of: dict[str, int] = {
+            member.id: number
+            for number, group in enumerate(self.groups)
+            for member in group.members
+        }
+
+    def booked(
+        self, *, busy: frozenset[str], host_nodes: Iterable[str]
+    ) -> tuple[dict[str, _Stock], set[str]]:
+        """The nodes a window touches: the partly booked ones (some atoms busy, or some of the
+        host booked) with their stock left, and the ones whose every atom is busy."""
+        # Counted in C, per node; only a node left with something free is looked at atom by atom.
+        per_node = Counter(map(self._node_of_atom.get, busy))
+        per_node.pop(None, None)
+        for atom_id in busy.intersection(self._repeated) if self._repeated else ():
+            per_node.update(self._repeated[atom_id])
+        partial: dict[str, _Stock] = {}
+        full: set[str] = set()
+        for node_id, n in per_node.items():
+            if node_id is None:
+                continue
+            if n >= self.stocks[node_id].size:
+                # Nothing left to book: the host does not matter, the devices reject it first.
+                full.add(node_id)
+                continue
+            stock = partial[node_id] = self.stocks[node_id].copy()
+            for atom_id, key in self._keys_of[node_id]:
+                if atom_id in busy:
+                    stock.count(key, -1)
+        for node_id in host_nodes:
+            if node_id in self.stocks and node_id not in full and node_id not in partial:
+                partial[node_id] = self.stocks[node_id]
+        return partial, full
+
+
+def _emptied(stock: _Stock) -> _Stock:
+    out = _Stock()
+    out.size = stock.size
+    return out
 
 
 class _Ask(NamedTuple):
@@ -212,37 +375,80 @@ def _idle(snapshot: Snapshot) -> Snapshot:
 def _place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     _validate(demand)
     ask = _prepare(demand)
-    stocks = _stock_up(snapshot=snapshot, sizes=demand.whole_node)
-    if not stocks:
+    index = snapshot.index
+    if index is None or index.nodes is not snapshot.nodes or index.atoms is not snapshot.atoms:
+        index = PoolIndex(snapshot.nodes, snapshot.atoms)
+    if not index.stocks:
         return NoFit(message="the pool has no nodes", rejected={})
-    fits: list[_Fit] = []
+    host_busy = snapshot.host_busy
+    partial, full = index.booked(busy=snapshot.busy, host_nodes=host_busy.keys())
+    fits: list[_Fit] = []  # the best ``gang_size`` of each group, and every partly booked fit
+    fit_count = 0
     rejects: Counter[_Reject] = Counter()
-    for node in snapshot.nodes:
-        stock = stocks.pop(node.id, None)
-        if stock is None:  # a repeated node id: the first one is the node
-            continue
+    for node_id, stock in partial.items():
         verdict = _screen(
-            node=node,
+            node=index.node_of[node_id],
             stock=stock,
             ask=ask,
             whole_node=demand.whole_node,
-            host_busy=snapshot.host_busy.get(node.id),
+            host_busy=host_busy.get(node_id),
         )
         if isinstance(verdict, _Fit):
             fits.append(verdict)
+            fit_count += 1
         else:
             rejects[verdict] += 1
-    if len(fits) < demand.gang_size:
-        node_count = len(fits) + rejects.total()
-        return _no_fit(node_count=node_count, fit_count=len(fits), rejects=rejects, demand=demand)
+    special = Counter(index.group_of[node_id] for node_id in partial)
+    full_in = Counter(index.group_of[node_id] for node_id in full)
+    special.update(full_in)
+    for number, group in enumerate(index.groups):
+        # Every node of a group answers as its first does: screen that one for the group.
+        for count, stock, skip in (
+            (len(group.members) - special[number], group.stock, True),
+            (full_in[number], group.emptied, False),
+        ):
+            if not count:
+                continue
+            verdict = _screen(
+                node=group.members[0],
+                stock=stock,
+                ask=ask,
+                whole_node=demand.whole_node,
+                host_busy=None,
+            )
+            if isinstance(verdict, _Reject):
+                rejects[verdict] += count
+                continue
+            fit_count += count
+            # Members are in (name, id) order: the first ones not booked are the group's best.
+            shown = (
+                (m for m in group.members if m.id not in partial and m.id not in full)
+                if skip
+                else (m for m in group.members if m.id in full)
+            )
+            for member, _ in zip(shown, range(demand.gang_size), strict=False):
+                # Its own plan: the group shares the verdict, not the NVLink domains' names.
+                own = _screen(
+                    node=member,
+                    stock=index.stocks[member.id] if skip else stock,
+                    ask=ask,
+                    whole_node=demand.whole_node,
+                    host_busy=None,
+                )
+                if isinstance(own, _Fit):
+                    fits.append(own)
+    if fit_count < demand.gang_size:
+        node_count = fit_count + rejects.total()
+        return _no_fit(node_count=node_count, fit_count=fit_count, rejects=rejects, demand=demand)
     fits.sort(key=lambda f: (f.leftover, f.node.name, f.node.id))
     chosen = fits[: demand.gang_size]
-    atoms_of = _atoms_of(snapshot=snapshot, node_ids={f.node.id for f in chosen})
     return Placed(
         members=tuple(
             Member(
                 node_id=fit.node.id,
-                atom_ids=_take(fit=fit, atoms=atoms_of[fit.node.id], ask=ask, busy=snapshot.busy),
+                atom_ids=_take(
+                    fit=fit, atoms=index.atoms_of[fit.node.id], ask=ask, busy=snapshot.busy
+                ),
             )
             for fit in chosen
         )
@@ -284,32 +490,6 @@ def _prepare(demand: Demand) -> _Ask:
         labels=sorted(demand.required_labels.items()),
         host=sorted((k, v) for k, v in demand.host.items() if v > 0),
     )
-
-
-def _stock_up(*, snapshot: Snapshot, sizes: bool) -> dict[str, _Stock]:
-    # ``sizes`` (all atoms, busy ones included) only matter to whole-node demands; counting them
-    # is a further pass over every atom, so device demands skip it.
-    stocks = {node.id: _Stock() for node in snapshot.nodes}
-    if sizes:
-        for node_id, size in Counter(map(attrgetter("node_id"), snapshot.atoms)).items():
-            if node_id in stocks:  # atoms of a node outside the pool can't be booked here
-                stocks[node_id].size = size
-    busy = snapshot.busy
-    free = [a for a in snapshot.atoms if a.id not in busy]
-    # Loops over distinct (node, kind, profile, domain, health) keys: about one per GPU domain.
-    for (node_id, kind, profile, domain, healthy), n in Counter(map(_ATOM_KEY, free)).items():
-        stock = stocks.get(node_id)
-        if stock is None:  # atoms of a node outside the pool can't be booked here
-            continue
-        stock.free += n
-        counts, domains = (
-            (stock.usable, stock.usable_domains) if healthy else (stock.sick, stock.sick_domains)
-        )
-        pool = (kind, profile if kind == "mig" else None)
-        counts[pool] = counts.get(pool, 0) + n
-        if kind == "gpu" and domain is not None:
-            domains[domain] = domains.get(domain, 0) + n
-    return stocks
 
 
 def _screen(
@@ -408,13 +588,6 @@ def _why_not(*, shortfall: _Shortfall, stock: _Stock, ask: _Ask) -> _Reject:
         return _Reject("topology", f"no NVLink domain with {entry.count} free gpu")
     suffix = f" {entry.profile}" if entry.profile else ""
     return _Reject("capacity", f"too few free {entry.device_class}{suffix}")
-
-
-def _atoms_of(*, snapshot: Snapshot, node_ids: set[str]) -> dict[str, list[Atom]]:
-    out: dict[str, list[Atom]] = {node_id: [] for node_id in node_ids}
-    for atom in [a for a in snapshot.atoms if a.node_id in node_ids]:
-        out[atom.node_id].append(atom)
-    return out
 
 
 def _take(*, fit: _Fit, atoms: list[Atom], ask: _Ask, busy: frozenset[str]) -> tuple[str, ...]:

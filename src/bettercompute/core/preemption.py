@@ -75,6 +75,6 @@ def _fits(
             for name, amount in use.items():
                 mine[name] = mine.get(name, 0) + amount
     with_kept = placement.Snapshot(
-        nodes=snapshot.nodes, atoms=snapshot.atoms, busy=busy, host_busy=host
+        nodes=snapshot.nodes, atoms=snapshot.atoms, busy=busy, host_busy=host, index=snapshot.index
     )
     return isinstance(placement.try_place(snapshot=with_kept, demand=demand), placement.Placed)

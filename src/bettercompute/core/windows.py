@@ -99,6 +99,7 @@ def earliest(
     fits: set[str] = set()
     windows: list[Window] = []
     tried = 0
+    pool_index: placement.PoolIndex | None = None
     for start in starts:
         end = start + duration_ms
         while entering < len(by_start) and by_start[entering][1] < end:
@@ -120,7 +121,11 @@ def earliest(
         taken = frozenset(busy)
         if demand.gang_size == 1 and len(changed) * 4 > len(nodes):
             # Most nodes changed (the first start): one placement over the pool answers.
-            whole = placement.Snapshot(nodes=nodes, atoms=atoms, busy=taken, host_busy=host)
+            # One index for every start: the pool's nodes and atoms do not change meanwhile.
+            pool_index = pool_index or placement.PoolIndex(nodes, atoms)
+            whole = placement.Snapshot(
+                nodes=nodes, atoms=atoms, busy=taken, host_busy=host, index=pool_index
+            )
             outcome = placement.try_place(snapshot=whole, demand=demand)
             if isinstance(outcome, placement.Placed):
                 windows.append(Window(start, end, tuple(m.node_id for m in outcome.members)))

@@ -237,7 +237,11 @@ async def _place_batch(
             end=max(q.end for q in queued),
         )
         decisions = batching.plan(
-            nodes=inventory.nodes, atoms=inventory.atoms, booked=booked, queued=queued
+            nodes=inventory.nodes,
+            atoms=inventory.atoms,
+            booked=booked,
+            queued=queued,
+            index=inventory.index,
         )
         done = Batch()
         unplaced: list[tuple[batching.Queued, placement.NoFit]] = []

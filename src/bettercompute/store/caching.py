@@ -3,12 +3,14 @@
 Why: the static part of a placement snapshot (which nodes and devices a pool has) changes
 rarely, but reading and decoding it is most of a placement's cost. Every node or atom change
 bumps the pool's version in the same transaction, so a cached inventory is used only while it
-is exactly current. Never shared between databases; no module-level state.
+is exactly current. Each inventory carries its ``placement.PoolIndex``, built once with it,
+so a placement in a pool of a thousand nodes visits the few nodes its window touches rather
+than every node. Never shared between databases; no module-level state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bettercompute.core import placement
 
@@ -18,6 +20,10 @@ class Inventory:
     version: int
     nodes: tuple[placement.Node, ...]
     atoms: tuple[placement.Atom, ...]
+    index: placement.PoolIndex = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", placement.PoolIndex(self.nodes, self.atoms))
 
 
 class InventoryCache:

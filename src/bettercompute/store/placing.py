@@ -18,7 +18,7 @@ reconciler executes it.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from bettercompute.core import ids, placement, pools, states
@@ -131,17 +131,28 @@ async def snapshot_from(
         nodes=inventory.nodes,
         atoms=inventory.atoms,
         busy=frozenset(busy),
-        host_busy=_host_use(host_busy or {}),
+        host_busy=_HostUse(host_busy or {}),
+        index=inventory.index,
     )
 
 
-def _host_use(busy: Mapping[str, list[int]]) -> dict[str, dict[str, int]]:
-    """Per node, what other reservations book of its host (``{node: [vcpu, memoryGiB,
-    hugepages1Gi]}`` as ``bc_busy_hosts`` sums it)."""
-    return {
-        str(node): {"vcpu": int(v), "memoryGiB": int(m), "hugepages1Gi": int(h)}
-        for node, (v, m, h) in busy.items()
-    }
+class _HostUse(Mapping[str, Mapping[str, int]]):
+    """Per node, what other reservations book of its host, from ``{node: [vcpu, memoryGiB,
+    hugepages1Gi]}`` as ``bc_busy_hosts`` sums it. Read lazily: a placement looks at the host
+    of the few nodes it screens one by one, not of every node booked in the window."""
+
+    def __init__(self, sums: Mapping[str, list[int]]) -> None:
+        self._sums = sums
+
+    def __getitem__(self, node: str) -> Mapping[str, int]:
+        v, m, h = self._sums[node]
+        return {"vcpu": int(v), "memoryGiB": int(m), "hugepages1Gi": int(h)}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sums)
+
+    def __len__(self) -> int:
+        return len(self._sums)
 
 
 def system_labels(labels: Mapping[str, Any]) -> dict[str, str]:

@@ -82,7 +82,11 @@ async def preempt(
         conn, cache=cache, pool_id=pool_id, start=start, end=end, ignore_reservation=reservation_id
     )
     rest = placement.Snapshot(
-        nodes=base.nodes, atoms=base.atoms, busy=frozenset(others), host_busy=host_others
+        nodes=base.nodes,
+        atoms=base.atoms,
+        busy=frozenset(others),
+        host_busy=host_others,
+        index=base.index,
     )
     victims = preemption.choose(
         snapshot=rest,
