@@ -164,7 +164,8 @@ async def browser() -> AsyncIterator[Any]:
     loop; the sync API would run a second one). Headless; --no-sandbox only as root."""
     path = chromium_path()
     if path is None:
-        _missing("no Chromium at /usr/bin/chromium (apt-get install chromium, or set BCD_CHROMIUM)")
+        where = os.environ.get("BCD_CHROMIUM") or "/usr/bin/chromium"
+        _missing(f"no Chromium at {where} (apt-get install chromium, or set BCD_CHROMIUM)")
     try:
         from playwright.async_api import async_playwright
     except ImportError:
