@@ -539,13 +539,22 @@ def subscription_list(data: Any) -> RenderableType:
 
 
 def delivery_list(data: Any) -> RenderableType:
-    """``events.deliveries.list``: EVENT, TYPE, RESERVATION, STATE, ATTEMPTS, LAST, NEXT."""
+    """``events.deliveries.list``: EVENT, TYPE, RESERVATION, STATE, ATTEMPTS, LAST ANSWER (the
+    receiver's HTTP status or the error), NEXT ATTEMPT."""
     items = data.get("items") if isinstance(data, dict) else None
     if not items:
         return Text("No deliveries.")
     table = Table(box=box.SIMPLE, pad_edge=False)
-    for column in ("EVENT", "TYPE", "RESERVATION", "STATE", "ATTEMPTS", "LAST", "NEXT"):
-        table.add_column(column, no_wrap=column != "LAST")
+    for column in (
+        "EVENT",
+        "TYPE",
+        "RESERVATION",
+        "STATE",
+        "ATTEMPTS",
+        "LAST ANSWER",
+        "NEXT ATTEMPT",
+    ):
+        table.add_column(column, no_wrap=column != "LAST ANSWER")
     reservations = short_ids(str(item.get("reservationId")) for item in items)
     events = short_ids(str(item.get("eventId")) for item in items)
     for item in items:
