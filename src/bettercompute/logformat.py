@@ -1,9 +1,10 @@
-"""How the long-running programs (the operator, the node agent) write their logs.
+"""How the long-running programs (the operator, the node agent, ``dev``) write their logs.
 
 Why a module of its own: both take ``--log-format text|json``; JSON lines (one object per
 record: ``time``, ``level``, ``logger``, ``message``, and kopf's object fields where it adds
 them) are what log pipelines (Loki, Elasticsearch, Cloud Logging) parse without rules. The JSON
 comes from python-json-logger, the maintained formatter for the standard library's logging.
+Either way a record's time is RFC 3339 in UTC, as every time people read.
 
 What it must never do: print anything itself, or drop a record's level or message.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Literal
 
 LogFormat = Literal["text", "json"]
@@ -34,13 +36,28 @@ def configure(*, level: str = "INFO", log_format: str = "text") -> None:
     root.setLevel(level.upper())
 
 
+def rfc3339(record: logging.LogRecord) -> str:
+    """When ``record`` was made, as every time people read is shown: RFC 3339 in UTC, to the
+    millisecond (``2026-12-24T08:00:00.123Z``), never the machine's local time."""
+    moment = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{moment}.{int(record.msecs):03d}Z"
+
+
+class _Text(logging.Formatter):
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return rfc3339(record)
+
+
 def formatter(log_format: str) -> logging.Formatter:
     if log_format == "json":
         from pythonjsonlogger.json import JsonFormatter
 
-        return JsonFormatter(
+        class _Json(JsonFormatter):
+            def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+                return rfc3339(record)
+
+        return _Json(
             "%(asctime)s %(levelname)s %(name)s %(message)s",
             rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-            datefmt="%Y-%m-%dT%H:%M:%S%z",
         )
-    return logging.Formatter(TEXT)
+    return _Text(TEXT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,19 @@ def test_both_programs_refuse_an_unknown_format_naming_the_flag(program: list[st
     )
     assert done.returncode == 2, done
     assert "--log-format" in done.stderr
+
+
+RFC3339_MS = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+
+
+def test_both_formats_stamp_records_in_rfc_3339_utc(capsys: pytest.CaptureFixture[str]) -> None:
+    fresh()
+    logformat.configure(log_format="json")
+    logging.getLogger("x").warning("hello")
+    record = json.loads(capsys.readouterr().err.splitlines()[-1])
+    assert re.fullmatch(RFC3339_MS, record["time"]), record
+    fresh()
+    logformat.configure()
+    logging.getLogger("x").warning("hello")
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert re.match(rf"{RFC3339_MS} WARNING x: hello$", line), line

@@ -49,7 +49,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from bettercompute import supervising
+from bettercompute import logformat, supervising
 from bettercompute.api import serving
 from bettercompute.api.app import make_app
 from bettercompute.api.metrics_server import DEFAULT_PORT as DEFAULT_METRICS_PORT
@@ -510,12 +510,9 @@ def _stdout() -> Console:
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logformat.formatter("text"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     # Our own activity (binds, releases) is what a person running dev wants to watch.
     logging.getLogger("bettercompute").setLevel(logging.INFO)
 
