@@ -105,9 +105,12 @@ async def test_find_a_window_reserve_it_see_it_live_and_release_it(
     await _timeline(page)
     await page.wait_for_selector("#live.on")  # the event stream is open
     await page.evaluate("window.__sameDocument = true")
+    # A keyboard user on a row keeps the focus there through the update.
+    await page.locator(f"#my-bookings li[data-id='{rid}']").focus()
     elsewhere = await dev.reserve(who="alice", gpus=1, hours=1, start_in_hours=5)
     await page.locator(f"#my-bookings li[data-id='{elsewhere['id']}']").wait_for()
     assert await page.evaluate("window.__sameDocument") is True
+    assert await page.evaluate("document.activeElement.dataset.id") == rid
 
     # Release, after the page asks.
     await page.goto(f"/console/#/reservations/{rid}")

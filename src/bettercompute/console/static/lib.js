@@ -67,10 +67,19 @@ function append(el, children) {
   }
 }
 
-/** Replace an element's children. */
+/**
+ * Replace an element's children. Where the focus was on a child with a data-id (a row), the
+ * new child with that id gets it back: a live update must not throw a keyboard user out.
+ */
 export function fill(el, ...children) {
+  const focused = document.activeElement;
+  const id = focused && el.contains(focused) && focused.dataset ? focused.dataset.id : undefined;
   el.replaceChildren();
   append(el, children);
+  if (id !== undefined) {
+    const again = [...el.querySelectorAll("[data-id]")].find((n) => n.dataset.id === id);
+    if (again) again.focus();
+  }
   return el;
 }
 

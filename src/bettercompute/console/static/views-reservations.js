@@ -227,5 +227,11 @@ export async function reservationView(main, session, id) {
   }
 
   await load();
-  return { refresh: load };
+  return {
+    // Not while the person is typing in it (the "Extend by" field): the next event will do.
+    refresh: async () => {
+      const typing = document.activeElement && document.activeElement.tagName === "INPUT";
+      if (!(typing && box.contains(document.activeElement))) await load();
+    },
+  };
 }
