@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
+from rich.measure import Measurement
 
-from bettercompute.cli import output
+from bettercompute.cli import confirmations, output, usage
 from bettercompute.cli.settings import Output
 from bettercompute.core import moments
 from tests.support import epochs
@@ -71,3 +73,86 @@ def test_details_and_condition_messages_read_as_times_and_durations() -> None:
     Console(file=captured, width=100).print(output.reservation_table(view))
     assert "deadline 2026-" in captured.getvalue()
     assert epochs.found(captured.getvalue()) == []
+
+
+T = 1_796_534_722_946
+CONFIRMATIONS = {
+    "items": [
+        {
+            "id": "cnf_01m94s49ma6g6js10xwf8t58e4",
+            "state": "pending",
+            "request": {"devices": [{"class": "gpu", "count": 6}], "duration": "7200000ms"},
+            "agentId": "assistant@acme",
+            "personId": "alice@acme",
+            "expiresAt": T,
+        }
+    ]
+}
+SUBSCRIPTIONS = {
+    "items": [
+        {
+            "id": "sub_01m94s44qrdg6mp6pmnwfd8jsa",
+            "state": "active",
+            "url": "https://hooks.example.com/compute",
+            "eventTypes": ["reservation.placed", "reservation.released"],
+            "createdAt": T,
+        }
+    ]
+}
+DELIVERIES = {
+    "items": [
+        {
+            "eventId": 1234,
+            "eventType": "reservation.released",
+            "reservationId": A,
+            "state": "failing",
+            "attempts": 3,
+            "lastError": "cannot connect: the receiver could not be reached",
+            "nextAttemptAt": T,
+        }
+    ]
+}
+POOLS = {
+    "items": [
+        {
+            "poolId": "pool_a100_mig",
+            "gpuModel": "A100",
+            "nodes": 1,
+            "nodesReady": 1,
+            "devices": {"mig": {"free": 0, "total": 28, "booked": 28, "healthy": 28}},
+            "nextFreeAt": T,
+        }
+    ]
+}
+USAGE = {
+    "tenantId": "acme",
+    "from": T,
+    "to": T,
+    "by": "pool",
+    "items": [{"poolId": "pool_a100_mig", "gpuHours": 12.5, "gpuSeconds": 45000}],
+    "total": {"gpuHours": 12.5, "gpuSeconds": 45000},
+}
+
+
+@pytest.mark.parametrize(
+    ("draw", "data"),
+    [
+        (confirmations.confirmation_list, CONFIRMATIONS),
+        (output.subscription_list, SUBSCRIPTIONS),
+        (output.delivery_list, DELIVERIES),
+        (output.pools, POOLS),
+        (output.quotas, {"quotas": [{"resource": "gpuSlices:A100", "used": 28, "limit": 28}]}),
+        (output.search, {"windows": [{"start": T, "end": T, "nodeIds": ["node_sim-h100-01"]}]}),
+        (usage.report_table, USAGE),
+    ],
+    ids=["confirmations", "subscriptions", "deliveries", "pools", "quota", "search", "usage"],
+)
+def test_every_column_table_fits_100_columns_and_shows_no_epoch_ms(draw, data) -> None:
+    console = Console(width=100, file=io.StringIO(), record=True)
+    drawn = draw(data)
+    # What emit widens a table to: the width its columns that never wrap need.
+    assert Measurement.get(console, console.options, drawn).minimum <= 100
+    console.print(drawn)
+    text = console.export_text()
+    assert epochs.found(text) == [], text
+    assert moments.rfc3339(T) in text or "quotas" in data
