@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from bettercompute.core import moments
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store import desired
 from bettercompute.store.database import Database
@@ -78,6 +79,8 @@ async def test_running_spot_work_gets_notice_then_is_released_as_preempted(
     preempted = condition(noticed, "Preempted")
     deadline = preempted["deadline"]
     assert preempted["reason"] == "SpotPreempted"
+    # People read the message: its time is RFC 3339 (the deadline field stays epoch ms).
+    assert preempted["message"].endswith(f"released at {moments.rfc3339(deadline)}")
     assert noticed["state"] == "active"  # it keeps its devices until the deadline
     assert noticed["during"]["end"] == deadline
     assert regular["during"]["start"] == deadline  # placed for the window from the deadline

@@ -21,7 +21,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from bettercompute.core import durations, placement, preemption, states
+from bettercompute.core import durations, moments, placement, preemption, states
 from bettercompute.store import journal, placing
 from bettercompute.store.caching import InventoryCache
 from bettercompute.store.database import Conn, jsonb
@@ -187,7 +187,7 @@ async def _give_notice(
     condition = states.condition(
         states.Condition.PREEMPTED,
         states.Reason.SPOT_PREEMPTED,
-        f"preempted by {by}: released at {deadline.isoformat()}",
+        f"preempted by {by}: released at {moments.rfc3339(durations.to_ms(deadline))}",
         at_ms=durations.to_ms(now),
         deadline=durations.to_ms(deadline),
     )
