@@ -4,7 +4,8 @@ exactly as the placement that screened every node did.
 The reference below is the placer before the index (every node stocked from every atom, every
 node screened, all fits sorted), kept here and only here: over random pools, busy sets, host use
 and demands (gangs, MIG, slots, nvlink-all, host resources, whole nodes, labels) both must give
-the same ``Placed`` or the same ``NoFit``, with the index passed in, built afresh, or stale.
+the same ``Placed`` or the same ``NoFit`` (and ``place`` the same "never fits"), with the index
+passed in, built afresh, or stale.
 Then a count of the work: a placement in a pool of 1,000 nodes screens about as many nodes as
 one in a pool of 32.
 """
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 from operator import attrgetter
 
 import pytest
 
 from bettercompute.core import placement
 from bettercompute.core.placement import (
+    NEVER,
     Atom,
     AtomKind,
     Demand,
@@ -105,6 +108,23 @@ def reference_place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
             for fit in chosen
         )
     )
+
+
+def reference_full_place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
+    """``placement.place`` as it was: a refusal tells "never" by placing on the pool at rest."""
+    outcome = reference_place(snapshot=snapshot, demand=demand)
+    if isinstance(outcome, Placed):
+        return outcome
+    rest = Snapshot(
+        nodes=tuple(replace(n, ready=True, connected=True) for n in snapshot.nodes),
+        atoms=tuple(a if a.healthy else replace(a, healthy=True) for a in snapshot.atoms),
+        busy=frozenset(),
+    )
+    idle = reference_place(snapshot=rest, demand=demand)
+    if isinstance(idle, Placed):
+        return outcome
+    why = idle.message if not snapshot.nodes else f"even with every device free, {idle.message}"
+    return NoFit(message=f"{NEVER}: {why}", rejected=outcome.rejected, never=True)
 
 
 # --------------------------------------------------------------------------- random pools
@@ -244,6 +264,10 @@ def test_the_index_decides_as_every_node_screened(chunk: int) -> None:
             for snapshot in (plain, indexed):
                 got = placement.try_place(snapshot=snapshot, demand=demand)
                 assert got == expected, f"seed {seed}: {demand}"
+            told = reference_full_place(snapshot=plain, demand=demand)
+            assert placement.place(snapshot=indexed, demand=demand) == told, f"seed {seed}"
+            if isinstance(told, NoFit) and told.never:
+                checked["never"] += 1
             checked["placed" if isinstance(expected, Placed) else "no fit"] += 1
             if isinstance(expected, Placed) and len(expected.members) > 1:
                 checked["gang placed"] += 1
@@ -251,6 +275,7 @@ def test_the_index_decides_as_every_node_screened(chunk: int) -> None:
     assert checked["placed"] > 300
     assert checked["no fit"] > 300
     assert checked["gang placed"] > 50
+    assert checked["never"] > 100
 
 
 def test_an_index_of_other_nodes_is_not_used() -> None:

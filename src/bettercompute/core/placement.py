@@ -211,12 +211,15 @@ class PoolIndex:
     def __init__(self, nodes: Sequence[Node], atoms: Sequence[Atom]) -> None:
         self.nodes = nodes
         self.atoms = atoms
+        self._idle: PoolIndex | None = None  # ``idle()``, once asked for
         #: The pool's nodes by id (a repeated id: the first one is the node).
         self.node_of: dict[str, Node] = {}
         for node in nodes:
             self.node_of.setdefault(node.id, node)
         #: Each node's stock with nothing booked.
         self.stocks: dict[str, _Stock] = {node_id: _Stock() for node_id in self.node_of}
+        #: Every atom by id (a repeated id: the last one), for writing down what was booked.
+        self.atom_of: dict[str, Atom] = {atom.id: atom for atom in atoms}
         #: Each node's atoms, in the snapshot's order (atoms of a node outside the pool: none).
         self.atoms_of: dict[str, list[Atom]] = {node_id: [] for node_id in self.node_of}
         #: Atom id -> its node, for counting busy atoms per node without visiting the others.
@@ -267,6 +270,16 @@ class PoolIndex:
             for number, group in enumerate(self.groups)
             for member in group.members
         }
+
+    def idle(self) -> PoolIndex:
+        """The index of the pool at rest (every node ready, every device healthy): built once,
+        for telling "never fits" from "not yet" at every refusal."""
+        if self._idle is None:
+            self._idle = PoolIndex(
+                tuple(replace(n, ready=True, connected=True) for n in self.nodes),
+                tuple(a if a.healthy else replace(a, healthy=True) for a in self.atoms),
+            )
+        return self._idle
 
     def booked(
         self, *, busy: frozenset[str], host_nodes: Iterable[str]
@@ -365,19 +378,22 @@ def try_place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
 
 def _idle(snapshot: Snapshot) -> Snapshot:
     """The pool as it would be with every node ready and every device free and healthy."""
-    return Snapshot(
-        nodes=tuple(replace(n, ready=True, connected=True) for n in snapshot.nodes),
-        atoms=tuple(a if a.healthy else replace(a, healthy=True) for a in snapshot.atoms),
-        busy=frozenset(),
-    )
+    idle = _index(snapshot).idle()
+    return Snapshot(nodes=idle.nodes, atoms=idle.atoms, busy=frozenset(), index=idle)
+
+
+def _index(snapshot: Snapshot) -> PoolIndex:
+    """The snapshot's index when it is the one of these nodes and atoms, else a new one."""
+    index = snapshot.index
+    if index is None or index.nodes is not snapshot.nodes or index.atoms is not snapshot.atoms:
+        index = PoolIndex(snapshot.nodes, snapshot.atoms)
+    return index
 
 
 def _place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
     _validate(demand)
     ask = _prepare(demand)
-    index = snapshot.index
-    if index is None or index.nodes is not snapshot.nodes or index.atoms is not snapshot.atoms:
-        index = PoolIndex(snapshot.nodes, snapshot.atoms)
+    index = _index(snapshot)
     if not index.stocks:
         return NoFit(message="the pool has no nodes", rejected={})
     host_busy = snapshot.host_busy

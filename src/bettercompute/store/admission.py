@@ -448,7 +448,7 @@ async def _commit_once(
                 reservation_id=draft.reservation_id,
                 pool_id=draft.pool.id,
                 outcome=outcome,
-                atoms=snap.atoms,
+                atom_of=placing.atoms_by_id(snap),
                 start=start,
                 end=end,
                 host=host,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,7 +258,7 @@ async def _place_batch(
                     pool_id=pool_id,
                     queued=q,
                     outcome=outcome,
-                    atoms=inventory.atoms,
+                    atom_of=placing.atoms_by_id(inventory),
                     lease_seconds=by_id[q.reservation_id]["lease_seconds"],
                     now=now,
                 )
@@ -297,7 +297,7 @@ async def _place_batch(
                         pool_id=pool_id,
                         queued=dataclasses.replace(q, start=start, end=end),
                         outcome=outcome,
-                        atoms=snap.atoms,
+                        atom_of=placing.atoms_by_id(snap),
                         lease_seconds=by_id[q.reservation_id]["lease_seconds"],
                         now=now,
                     )
@@ -399,7 +399,7 @@ async def _mark_placed(
     pool_id: str,
     queued: batching.Queued,
     outcome: placement.Placed,
-    atoms: Sequence[placement.Atom],
+    atom_of: Mapping[str, placement.Atom],
     lease_seconds: int | None,
     now: dt.datetime,
 ) -> None:
@@ -409,7 +409,7 @@ async def _mark_placed(
         reservation_id=queued.reservation_id,
         pool_id=pool_id,
         outcome=outcome,
-        atoms=atoms,
+        atom_of=atom_of,
         start=queued.start,
         end=queued.end,
         host=queued.demand.host,

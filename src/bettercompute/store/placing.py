@@ -18,7 +18,7 @@ reconciler executes it.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from bettercompute.core import ids, placement, pools, states
@@ -136,6 +136,15 @@ async def snapshot_from(
     )
 
 
+def atoms_by_id(snap: placement.Snapshot) -> Mapping[str, placement.Atom]:
+    """The snapshot's atoms by id: kept by the inventory's index, so a booking does not index a
+    pool of thousands of atoms to name the few it books."""
+    index = snap.index
+    if index is not None and index.atoms is snap.atoms:
+        return index.atom_of
+    return {a.id: a for a in snap.atoms}
+
+
 class _HostUse(Mapping[str, Mapping[str, int]]):
     """Per node, what other reservations book of its host, from ``{node: [vcpu, memoryGiB,
     hugepages1Gi]}`` as ``bc_busy_hosts`` sums it. Read lazily: a placement looks at the host
@@ -197,7 +206,7 @@ async def place(
             reservation_id=reservation_id,
             pool_id=pool_id,
             outcome=outcome,
-            atoms=snap.atoms,
+            atom_of=atoms_by_id(snap),
             start=start,
             end=end,
             host=demand.host,
@@ -210,14 +219,15 @@ def book_statement(
     reservation_id: str,
     pool_id: str,
     outcome: placement.Placed,
-    atoms: Sequence[placement.Atom],
+    atom_of: Mapping[str, placement.Atom],
     start: dt.datetime,
     end: dt.datetime,
     host: Mapping[str, int] | None = None,
 ) -> tuple[str, tuple[Any, ...]]:
     """The statement that writes the bookings and one ``planned`` allocation per node, and
-    with ``host`` (what each member books of its node's host) the guarded host booking."""
-    by_id = {a.id: a for a in atoms}
+    with ``host`` (what each member books of its node's host) the guarded host booking.
+    ``atom_of``: the snapshot's atoms by id (``atoms_by_id``)."""
+    by_id = atom_of
     alloc_ids: list[str] = []
     devices: list[str] = []  # per allocation, comma-joined: arrays of arrays must be rectangular
     atom_lists: list[str] = []
@@ -262,7 +272,7 @@ async def book(
     reservation_id: str,
     pool_id: str,
     outcome: placement.Placed,
-    atoms: Sequence[placement.Atom],
+    atom_of: Mapping[str, placement.Atom],
     start: dt.datetime,
     end: dt.datetime,
     host: Mapping[str, int] | None = None,
@@ -273,7 +283,7 @@ async def book(
         reservation_id=reservation_id,
         pool_id=pool_id,
         outcome=outcome,
-        atoms=atoms,
+        atom_of=atom_of,
         start=start,
         end=end,
         host=host,
