@@ -90,6 +90,9 @@ async def test_reserve_places_and_answers_the_id_state_and_window(url: str, serv
     assert during["startTime"].endswith("Z")
     assert during["endTime"].endswith("Z")
     assert made["request"]["devices"] == [{"class": "gpu", "count": 2, "topology": "nvlink-all"}]
+    # The API's duration, and beside it the one a person or a model reads.
+    assert made["request"]["duration"] == "28800000ms"
+    assert made["request"]["durationText"] == "8h"
     assert made["idempotencyKey"].startswith("mcp-")
     stored = await server.call(
         "reservations/get", {"tenantId": "acme", "reservationId": made["id"]}

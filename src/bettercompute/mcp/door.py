@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
-from bettercompute.core import moments
+from bettercompute.core import durations, moments
 from bettercompute.core.errors import ErrorCode
 
 #: How long past the server's own wait a create may take to answer (as the CLI allows).
@@ -166,7 +166,8 @@ def as_read(value: Any) -> Any:
 
 
 def with_times(value: Any) -> Any:
-    """``value`` with an RFC 3339 ``…Time`` beside each epoch-millisecond time it holds."""
+    """``value`` with an RFC 3339 ``…Time`` beside each epoch-millisecond time it holds, and a
+    ``…Text`` beside each duration in the API's milliseconds (``'28800000ms'``: ``'8h'``)."""
     if isinstance(value, list):
         return [with_times(item) for item in value]
     if not isinstance(value, dict):
@@ -176,6 +177,8 @@ def with_times(value: Any) -> Any:
         shown[key] = with_times(item)
         if key in _MS_FIELDS and isinstance(item, int) and not isinstance(item, bool):
             shown[f"{key}Time"] = moments.rfc3339(item, exact=True)
+        elif isinstance(item, str) and item.endswith("ms") and item[:-2].isdigit():
+            shown[f"{key}Text"] = durations.human_text(item) or item
     return shown
 
 
