@@ -752,7 +752,11 @@ def subscriptions_deliveries(
 def watch(
     reservation_id: Annotated[
         str | None,
-        typer.Argument(help="Only this reservation (its id, or 8+ characters of it)."),
+        typer.Argument(
+            help="Only this reservation: its id, or a unique start of one of yours (4 characters"
+            " or more after rsv_, which may be left out).",
+            autocompletion=ids.complete_reservation,
+        ),
     ] = None,
     tenant: options.TenantOption = None,
     everyone: Annotated[
