@@ -85,7 +85,7 @@ async def test_the_walkthrough_against_a_live_dev_stack(tmp_path: Path) -> None:
                 "--key",
                 "train-1",
             )
-            assert conflict.rc == 1
+            assert conflict.rc == 6  # conflict (docs/cli.md#exit-codes)
             assert "CONFLICT" in conflict.stderr
 
             released = await cli("release", rid, "--tenant", "acme", "-o", "json")
