@@ -18,6 +18,12 @@ placer (``policy.placer: pool-lease``), with its loop running in the same proces
 beside the reconciler. A pool-lease create sends ``wait``, so its latency lasts until its batch
 placed it: what a caller waits for either way.
 
+How the cost grows with the pool: with ``--nodes`` other than ``--reference-nodes`` (32 unless
+told; 0: off) each placer's plain pool is also measured at the reference size, level by level in
+the same minute (``ref_pool_bench``, ``ref_lease_bench``), and a last table prints CPU per create
+(``py ms``) and creates/s at ``--nodes`` against the reference: the target is at most 1.5 times
+the CPU and at least 0.8 times the rate.
+
 The reference: ``pgbench``'s TPC-B-like run (``-M prepared``, scale 10) on the same PostgreSQL
 build and server, with as many clients as the largest level, measured right after the levels.
 The last line prints creates/s at that level, pgbench's transactions/s and their ratio; a
@@ -33,7 +39,7 @@ create could reach on a server with every core to itself and a client that costs
 database-bound ceiling, which does not depend on the machine's speed or core count.
 
     .venv/bin/python bench/admission.py [--seconds 10] [--nodes 64] [--no-pgbench]
-        [--placer inline|pool-lease|both]
+        [--placer inline|pool-lease|both] [--reference-nodes 32]
 """
 
 from __future__ import annotations
@@ -75,7 +81,11 @@ PLACER_POOLS = {
     "pool-lease": {"lease_bench": False, "lease_host": True},
 }
 POOLS = {p: h for pools in PLACER_POOLS.values() for p, h in pools.items()}
-PLACER_OF = {p: placer for placer, pools in PLACER_POOLS.items() for p in pools}
+#: Per placer: its plain pool at ``--reference-nodes``, beside the pools of ``--nodes``.
+REFERENCE_POOLS = {"inline": "ref_pool_bench", "pool-lease": "ref_lease_bench"}
+PLACER_OF = {p: placer for placer, pools in PLACER_POOLS.items() for p in pools} | {
+    p: placer for placer, p in REFERENCE_POOLS.items()
+}
 
 
 def tenant_ids(count: int) -> list[str]:
@@ -83,11 +93,15 @@ def tenant_ids(count: int) -> list[str]:
     return ["acme", *(f"tenant{n:02d}" for n in range(1, count))]
 
 
-async def setup(db: Database, nodes: int, *, tenants: int = 1) -> None:
+async def setup(
+    db: Database, nodes: int, *, tenants: int = 1, pools: dict[str, bool] | None = None
+) -> None:
+    """The tenants, and ``pools`` (pool -> whether its hosts have host rows; all of ``POOLS``
+    unless told) of ``nodes`` nodes each."""
     for tenant in tenant_ids(tenants):
         await inventory.upsert_tenant(db, tenant_id=tenant)
         await inventory.set_quota(db, tenant_id=tenant, resource="gpu:H100", limit=10**9)
-    for pool_id, host in POOLS.items():
+    for pool_id, host in (POOLS if pools is None else pools).items():
         await inventory.upsert_pool(
             db,
             pool_id=pool_id,
@@ -277,15 +291,31 @@ async def main() -> None:
     parser.add_argument(
         "--placer", choices=("inline", "pool-lease", "both"), default="both", help="placers"
     )
+    parser.add_argument(
+        "--reference-nodes",
+        type=int,
+        default=32,
+        help="pool size --nodes is compared with (0: no comparison)",
+    )
     args = parser.parse_args()
     placers = list(PLACER_POOLS) if args.placer == "both" else [args.placer]
     measured = [p for placer in placers for p in PLACER_POOLS[placer]]
+    reference = args.reference_nodes if args.reference_nodes not in (0, args.nodes) else None
+    if reference is not None:
+        measured += [REFERENCE_POOLS[placer] for placer in placers]
 
     server, dsn = bench_database("bc_bench")
     levels = [int(x) for x in args.levels.split(",")]
     db = await Database.open(dsn, min_size=4, max_size=max(levels) + 8)
     try:
         await setup(db, args.nodes, tenants=max(1, args.tenants))
+        if reference is not None:
+            await setup(
+                db,
+                reference,
+                tenants=max(1, args.tenants),
+                pools={REFERENCE_POOLS[placer]: False for placer in placers},
+            )
         service = await ReservationService.start(
             db=db,
             policy=policies.CedarPolicyEngine.from_text(policies.DEFAULT_POLICIES),
@@ -297,8 +327,11 @@ async def main() -> None:
             loop = asyncio.create_task(PoolPlacer(db, signals=service.signals).run())
             await asyncio.sleep(0.5)  # it takes the leases
         base_ms = int(time.time() * 1000) + 86_400_000
-        counters = {pool_id: itertools.count() for pool_id in POOLS}
-        capacity = args.nodes * GPUS_PER_NODE
+        counters = {pool_id: itertools.count() for pool_id in measured}
+        capacity = {
+            pool_id: (args.nodes if pool_id in POOLS else reference or 0) * GPUS_PER_NODE
+            for pool_id in measured
+        }
         # Warm-up: prepared statements, Cedar, connection pool.
         for pool_id in measured:
             await run_level(
@@ -307,7 +340,7 @@ async def main() -> None:
                 seconds=1.0,
                 counter=counters[pool_id],
                 base_ms=base_ms,
-                capacity=capacity,
+                capacity=capacity[pool_id],
                 pool_id=pool_id,
                 tenants=max(1, args.tenants),
             )
@@ -317,11 +350,12 @@ async def main() -> None:
             f" {max(1, args.tenants)} tenant(s)"
         )
         print(
-            f"{'callers':>8} {'pool':>11} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} "
+            f"{'callers':>8} {'pool':>15} {'creates':>8} {'creates/s':>10} {'p50 ms':>8} "
             f"{'p99 ms':>8} {'host/plain':>10} {'py ms':>7} {'pg ms':>7}"
         )
         rates: dict[tuple[int, str], float] = {}
         server_ms: dict[tuple[int, str], float | None] = {}
+        client_ms: dict[tuple[int, str], float] = {}
         meter = CpuMeter(server.pid if server is not None else None)
         for callers in levels:
             for pool_id in measured:
@@ -332,25 +366,42 @@ async def main() -> None:
                     seconds=args.seconds,
                     counter=counters[pool_id],
                     base_ms=base_ms,
-                    capacity=capacity,
+                    capacity=capacity[pool_id],
                     pool_id=pool_id,
                     tenants=max(1, args.tenants),
                 )
                 rates[callers, pool_id] = n / elapsed
                 mine_s, server_s = meter.used()
+                client_ms[callers, pool_id] = mine_s * 1000 / max(n, 1)
                 server_ms[callers, pool_id] = None if server_s is None else server_s * 1000 / n
                 plain = next(iter(PLACER_POOLS[PLACER_OF[pool_id]]))
                 ratio = (
                     f"{rates[callers, pool_id] / rates[callers, plain]:>10.2f}"
-                    if POOLS[pool_id]
+                    if POOLS.get(pool_id)
                     else f"{'':>10}"
                 )
                 print(
-                    f"{callers:>8} {pool_id:>11} {n:>8} {n / elapsed:>10.0f} "
+                    f"{callers:>8} {pool_id:>15} {n:>8} {n / elapsed:>10.0f} "
                     f"{pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {ratio}"
                     f" {per_ms(mine_s, n):>7} {per_ms(server_s, n):>7}",
                     flush=True,
                 )
+        if reference is not None:
+            print(
+                f"pool size: {args.nodes} nodes against {reference}, plain pools"
+                " (targets: py ms <= 1.5x, creates/s >= 0.8x)"
+            )
+            for callers in levels:
+                for placer in placers:
+                    big, small = next(iter(PLACER_POOLS[placer])), REFERENCE_POOLS[placer]
+                    cpu = client_ms[callers, big] / max(client_ms[callers, small], 1e-9)
+                    rate = rates[callers, big] / max(rates[callers, small], 1e-9)
+                    print(
+                        f"{callers:>8} {placer:>11}: py ms {client_ms[callers, small]:.2f} ->"
+                        f" {client_ms[callers, big]:.2f} ({cpu:.2f}x), creates/s"
+                        f" {rates[callers, small]:.0f} -> {rates[callers, big]:.0f} ({rate:.2f}x)",
+                        flush=True,
+                    )
         if loop is not None:
             # Stopped before pgbench, which it would only compete with.
             await supervising.cancel([loop])
