@@ -414,8 +414,8 @@ def _place(*, snapshot: Snapshot, demand: Demand) -> Outcome:
             fit_count += 1
         else:
             rejects[verdict] += 1
-    special = Counter(index.group_of[node_id] for node_id in partial)
-    full_in = Counter(index.group_of[node_id] for node_id in full)
+    special = Counter(map(index.group_of.__getitem__, partial))
+    full_in = Counter(map(index.group_of.__getitem__, full))
     special.update(full_in)
     for number, group in enumerate(index.groups):
         # Every node of a group answers as its first does: screen that one for the group.
