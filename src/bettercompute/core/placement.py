@@ -222,31 +222,28 @@ class PoolIndex:
         self.atom_of: dict[str, Atom] = {atom.id: atom for atom in atoms}
         #: Each node's atoms, in the snapshot's order (atoms of a node outside the pool: none).
         self.atoms_of: dict[str, list[Atom]] = {node_id: [] for node_id in self.node_of}
-        #: Atom id -> its node, for counting busy atoms per node without visiting the others.
-        self._node_of_atom: dict[str, str] = {}
-        self._repeated: dict[str, list[str]] = {}  # atom ids listed more than once: their nodes
-        self._keys_of: dict[str, list[tuple[str, _Key]]] = {n: [] for n in self.node_of}
-        for atom in atoms:
-            stock = self.stocks.get(atom.node_id)
-            if stock is None:  # atoms of a node outside the pool can't be booked here
-                continue
-            key: _Key = (
-                atom.node_id,
-                atom.kind,
-                atom.profile if atom.kind == "mig" else None,
-                atom.nvlink_domain,
-                atom.healthy,
-            )
-            stock.size += 1
-            stock.count(key, 1)
+        stocks = self.stocks
+        mine = [a for a in atoms if a.node_id in stocks]  # a node outside the pool: not here
+        for atom in mine:
             self.atoms_of[atom.node_id].append(atom)
-            self._keys_of[atom.node_id].append((atom.id, key))
-            if atom.id in self._repeated:
-                self._repeated[atom.id].append(atom.node_id)
-            elif atom.id in self._node_of_atom:
-                self._repeated[atom.id] = [self._node_of_atom.pop(atom.id), atom.node_id]
-            else:
-                self._node_of_atom[atom.id] = atom.node_id
+        # Each distinct key numbered, so busy atoms are counted per key in C on small ints.
+        numbered: dict[_Key, int] = {}
+        numbers = [numbered.setdefault(_key(a), len(numbered)) for a in mine]
+        self._keys: list[_Key] = list(numbered)
+        for number, n in Counter(numbers).items():
+            key = self._keys[number]
+            stocks[key[0]].size += n
+            stocks[key[0]].count(key, n)
+        #: Atom id -> the number of its key, for counting busy atoms without visiting the others.
+        self._number_of: dict[str, int] = dict(zip([a.id for a in mine], numbers, strict=True))
+        self._repeated: dict[str, list[int]] = {}  # atom ids listed more than once: their keys
+        if len(self._number_of) < len(mine):
+            listed = Counter(a.id for a in mine)
+            for atom, number in zip(mine, numbers, strict=True):
+                if listed[atom.id] > 1:
+                    self._repeated.setdefault(atom.id, []).append(number)
+            for atom_id in self._repeated:
+                del self._number_of[atom_id]
         shapes: dict[tuple[object, ...], list[Node]] = {}
         for node in self.node_of.values():
             shape = (
@@ -286,28 +283,45 @@ class PoolIndex:
     ) -> tuple[dict[str, _Stock], set[str]]:
         """The nodes a window touches: the partly booked ones (some atoms busy, or some of the
         host booked) with their stock left, and the ones whose every atom is busy."""
-        # Counted in C, per node; only a node left with something free is looked at atom by atom.
-        per_node = Counter(map(self._node_of_atom.get, busy))
-        per_node.pop(None, None)
+        # Counted in C per key, over the smaller side: the busy ids in a big pool, the pool's
+        # atoms when a small one (one node, as a search judges it) meets a big window's busy set.
+        number_of = self._number_of
+        if len(busy) <= len(number_of):
+            per_key = Counter(map(number_of.get, busy))
+            per_key.pop(None, None)  # not an atom of this pool
+        else:
+            per_key = Counter(map(number_of.__getitem__, number_of.keys() & busy))
         for atom_id in busy.intersection(self._repeated) if self._repeated else ():
-            per_node.update(self._repeated[atom_id])
+            per_key.update(self._repeated[atom_id])
+        per_node: dict[str, list[tuple[_Key, int]]] = {}
+        for number, n in per_key.items():
+            if number is not None:
+                key = self._keys[number]
+                per_node.setdefault(key[0], []).append((key, n))
         partial: dict[str, _Stock] = {}
         full: set[str] = set()
-        for node_id, n in per_node.items():
-            if node_id is None:
-                continue
-            if n >= self.stocks[node_id].size:
+        for node_id, counted in per_node.items():
+            if sum(n for _, n in counted) >= self.stocks[node_id].size:
                 # Nothing left to book: the host does not matter, the devices reject it first.
                 full.add(node_id)
                 continue
             stock = partial[node_id] = self.stocks[node_id].copy()
-            for atom_id, key in self._keys_of[node_id]:
-                if atom_id in busy:
-                    stock.count(key, -1)
+            for key, n in counted:
+                stock.count(key, -n)
         for node_id in host_nodes:
             if node_id in self.stocks and node_id not in full and node_id not in partial:
                 partial[node_id] = self.stocks[node_id]
         return partial, full
+
+
+def _key(atom: Atom) -> _Key:
+    return (
+        atom.node_id,
+        atom.kind,
+        atom.profile if atom.kind == "mig" else None,
+        atom.nvlink_domain,
+        atom.healthy,
+    )
 
 
 def _emptied(stock: _Stock) -> _Stock:

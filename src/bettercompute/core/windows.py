@@ -100,6 +100,7 @@ def earliest(
     windows: list[Window] = []
     tried = 0
     pool_index: placement.PoolIndex | None = None
+    alone_index: dict[str, placement.PoolIndex] = {}
     for start in starts:
         end = start + duration_ms
         while entering < len(by_start) and by_start[entering][1] < end:
@@ -141,8 +142,12 @@ def earliest(
             if need and sum(a.healthy and a.id not in taken for a in atoms_of[node.id]) < need:
                 fits.discard(node.id)  # fewer usable devices than one member asks: no placement
                 continue
+            # Each node's own index, built the first time the node is judged.
+            own = alone_index.get(node.id)
+            if own is None:
+                own = alone_index[node.id] = placement.PoolIndex((node,), atoms_of[node.id])
             alone = placement.Snapshot(
-                nodes=(node,), atoms=atoms_of[node.id], busy=taken, host_busy=host
+                nodes=own.nodes, atoms=own.atoms, busy=taken, host_busy=host, index=own
             )
             if isinstance(placement.try_place(snapshot=alone, demand=member), placement.Placed):
                 fits.add(node.id)
@@ -151,13 +156,12 @@ def earliest(
         changed.clear()
         if len(fits) < demand.gang_size:
             continue
-        chosen = [n for n in nodes if n.id in fits]
+        # The whole pool, through its index: the nodes outside ``fits`` cannot hold a member, so
+        # the placer chooses among exactly those, as a create would, without a new index for them.
+        pool_index = pool_index or placement.PoolIndex(nodes, atoms)
         outcome = placement.try_place(
             snapshot=placement.Snapshot(
-                nodes=chosen,
-                atoms=[a for n in chosen for a in atoms_of[n.id]],
-                busy=taken,
-                host_busy=host,
+                nodes=nodes, atoms=atoms, busy=taken, host_busy=host, index=pool_index
             ),
             demand=demand,
         )
