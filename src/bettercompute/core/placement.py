@@ -206,7 +206,8 @@ class _Group:
 
 class PoolIndex:
     """A pool's nodes and atoms prepared once for many placements (see the module's "Why a
-    ``PoolIndex``"). Immutable once built: placements only read it."""
+    ``PoolIndex``"). Placements only read it; the one thing added later is ``idle()``'s index,
+    built the first time a refusal asks for it."""
 
     def __init__(self, nodes: Sequence[Node], atoms: Sequence[Atom]) -> None:
         self.nodes = nodes
