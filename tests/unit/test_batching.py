@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import random
 
 from bettercompute.core import batching, placement
 from tests.unit.test_placement import SnapshotBuilder, gpu
@@ -76,3 +77,83 @@ def test_packing_never_overtakes_an_older_request_that_fits() -> None:
     plan = batching.plan(nodes=snap.nodes, atoms=snap.atoms, booked=[], queued=qs)
     placed = [d.queued.reservation_id for d in plan if isinstance(d.outcome, placement.Placed)]
     assert placed == ["r0"]
+
+
+def _naive_plan(
+    index: placement.PoolIndex, booked: list[batching.Booked], ordered: list[batching.Queued]
+) -> list[batching.Decision]:
+    """The greedy pass as it was: every request's snapshot summed from every booking so far."""
+    taken = list(booked)
+    out: list[batching.Decision] = []
+    for q in ordered:
+        busy = {b.atom_id for b in taken if b.start < q.end and q.start < b.end}
+        host: dict[str, dict[str, int]] = {}
+        for b in taken:
+            if b.start < q.end and q.start < b.end and b.host_node is not None:
+                use = host.setdefault(b.host_node, {"vcpu": 0, "memoryGiB": 0, "hugepages1Gi": 0})
+                for name in use:
+                    use[name] += int(b.host.get(name, 0))
+        snapshot = placement.Snapshot(
+            nodes=index.nodes, atoms=index.atoms, busy=frozenset(busy), host_busy=host
+        )
+        outcome = placement.place(snapshot=snapshot, demand=q.demand)
+        if isinstance(outcome, placement.Placed):
+            host_use = {k: v for k, v in q.demand.host.items() if v}
+            for member in outcome.members:
+                taken += [
+                    batching.Booked(
+                        a,
+                        q.start,
+                        q.end,
+                        member.node_id if i == 0 and host_use else None,
+                        host_use if i == 0 else {},
+                    )
+                    for i, a in enumerate(member.atom_ids)
+                ]
+        out.append(batching.Decision(q, outcome))
+    return out
+
+
+def test_the_greedy_pass_sees_the_pools_bookings_and_the_batchs_own_per_window() -> None:
+    # Windows that overlap in part, host use, bookings of the pool before the batch: the plan
+    # (one gathering of the pool's bookings per window) decides as summing every booking did.
+    for seed in range(40):
+        rng = random.Random(seed)
+        builder = SnapshotBuilder()
+        for n in range(6):
+            builder.node(f"n{n}", domains=[2, 2])
+        snap = builder.build()
+        nodes = tuple(replace_host(node) for node in snap.nodes)
+        index = placement.PoolIndex(nodes, tuple(snap.atoms))
+        hour = dt.timedelta(hours=1)
+        booked = [
+            batching.Booked(
+                atom.id,
+                T0 + rng.randint(0, 3) * hour,
+                T0 + rng.randint(4, 6) * hour,
+                atom.node_id if rng.random() < 0.5 else None,
+                {"vcpu": rng.choice((8, 30))},
+            )
+            for atom in index.atoms
+            if rng.random() < 0.4
+        ]
+        ordered = []
+        for k in range(10):
+            start = T0 + rng.randint(0, 5) * hour
+            q = dataclasses.replace(
+                queued(f"q{k}", at=k, count=rng.randint(1, 3)),
+                start=start,
+                end=start + rng.randint(1, 3) * hour,
+            )
+            if rng.random() < 0.5:
+                q = dataclasses.replace(
+                    q, demand=dataclasses.replace(q.demand, host={"vcpu": rng.choice((8, 30))})
+                )
+            ordered.append(q)
+        ordered = batching.fair_order(ordered)
+        got = batching._greedy(index, booked, ordered)
+        assert got == _naive_plan(index, booked, ordered), f"seed {seed}"
+
+
+def replace_host(node: placement.Node) -> placement.Node:
+    return dataclasses.replace(node, host={"vcpu": 64, "memoryGiB": 512})

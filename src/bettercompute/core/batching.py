@@ -115,10 +115,19 @@ def _placed_ids(decisions: Sequence[Decision]) -> set[str]:
 def _greedy(
     index: placement.PoolIndex, booked: Sequence[Booked], ordered: Sequence[Queued]
 ) -> list[Decision]:
-    taken = list(booked)
+    # The pool's bookings are gathered once per distinct window (a batch's requests mostly share
+    # one); each request then adds only what this batch booked before it.
+    before: dict[tuple[dt.datetime, dt.datetime], _Use] = {}
+    taken: list[Booked] = []
     decisions: list[Decision] = []
     for q in ordered:
-        snapshot = _snapshot(index, taken, q.start, q.end)
+        window = (q.start, q.end)
+        if window not in before:
+            before[window] = _overlapping(booked, q.start, q.end, base=(frozenset(), {}))
+        busy, host_busy = _overlapping(taken, q.start, q.end, base=before[window])
+        snapshot = placement.Snapshot(
+            nodes=index.nodes, atoms=index.atoms, busy=busy, host_busy=host_busy, index=index
+        )
         outcome = placement.place(snapshot=snapshot, demand=q.demand)
         if isinstance(outcome, placement.Placed):
             taken.extend(_bookings(q, outcome))
@@ -126,31 +135,28 @@ def _greedy(
     return decisions
 
 
-def _snapshot(
-    index: placement.PoolIndex,
-    booked: Sequence[Booked],
-    start: dt.datetime,
-    end: dt.datetime,
-) -> placement.Snapshot:
-    """What a placement of [start, end) sees: the atoms and host use of overlapping bookings
-    (summed whether or not they overlap each other: never more generous than the truth, as
-    the store's ``bc_busy_hosts``)."""
-    busy: set[str] = set()
-    host_busy: dict[str, dict[str, int]] = {}
+# Busy atoms, and per node what its host books.
+_Use = tuple[frozenset[str], dict[str, dict[str, int]]]
+
+
+def _overlapping(
+    booked: Sequence[Booked], start: dt.datetime, end: dt.datetime, *, base: _Use
+) -> _Use:
+    """``base`` and what the bookings that overlap [start, end) take: their atoms and host use
+    (summed whether or not they overlap each other: never more generous than the truth, as the
+    store's ``bc_busy_hosts``). ``base`` itself is left as it is."""
+    busy, host = base
+    added: set[str] = set()
+    host_busy = dict(host)
     for b in booked:
         if b.start < end and start < b.end:
-            busy.add(b.atom_id)
+            added.add(b.atom_id)
             if b.host_node is not None:
-                use = host_busy.setdefault(b.host_node, dict.fromkeys(hosts.BOOKED, 0))
+                use = dict(host_busy.get(b.host_node) or dict.fromkeys(hosts.BOOKED, 0))
                 for name in hosts.BOOKED:
                     use[name] += int(b.host.get(name, 0))
-    return placement.Snapshot(
-        nodes=index.nodes,
-        atoms=index.atoms,
-        busy=frozenset(busy),
-        host_busy=host_busy,
-        index=index,
-    )
+                host_busy[b.host_node] = use
+    return (busy | added if added else busy), host_busy
 
 
 def _bookings(q: Queued, outcome: placement.Placed) -> list[Booked]:
