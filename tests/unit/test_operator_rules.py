@@ -37,7 +37,15 @@ def _gpunode_status(*, ready: bool = True, mig: bool = False) -> dict:
     return {
         "inventory": {"gpus": gpus, "host": {"vcpu": 64, "memoryGiB": 512}},
         "capabilities": ["binding.kubernetes", "devices.limits", "cdi.nvidia", "unknown.cap"],
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True" if ready else "False",
+                "reason": "AgentReady" if ready else "AgentNotReady",
+                "message": "",
+                "lastTransitionTime": "2026-12-06T00:00:00Z",
+            }
+        ],
     }
 
 
@@ -184,7 +192,13 @@ def test_a_node_no_pool_takes_books_nothing_and_a_not_ready_node_takes_no_work()
 def test_a_gpunode_foreign_gpu_exposure_condition_reaches_the_node(condition, expected):
     status = _gpunode_status()
     if condition is not None:
-        status["conditions"].append({"type": "ForeignGpuExposure", **condition})
+        status["conditions"].append(
+            {
+                "type": "ForeignGpuExposure",
+                "lastTransitionTime": "2026-12-06T00:00:00Z",
+                **condition,
+            }
+        )
     node = definitions.node_spec("n1", labels={}, status=status, pool=_pool())
     assert node.foreign_exposure == expected
     assert node.ready  # foreign exposure takes no work away and releases nothing
