@@ -310,6 +310,21 @@ OldClassOption = Annotated[
 OldProfileOption = Annotated[str | None, typer.Option("--profile", hidden=True)]
 NameArgument = Annotated[str, typer.Argument(metavar="NAME", help="The Reservation's name.")]
 #: How long extend, renew and release wait for the operator's answer.
+# reserve and find ask for devices with the same two options.
+MigCountOption = Annotated[
+    int | None,
+    typer.Option(
+        "--count",
+        help="How many MIG instances (with --mig; default 1).",
+        min=1,
+        max=1024,
+        show_default=False,
+    ),
+]
+SlotsOption = Annotated[
+    int | None,
+    typer.Option("--slots", help="Time-slice or MPS slots.", min=1, max=1024, show_default=False),
+]
 AnswerTimeoutOption = Annotated[
     str,
     typer.Option(
@@ -669,22 +684,8 @@ def reserve(
             "--mig", help="MIG instances of this profile, such as 1g.10gb.", show_default=False
         ),
     ] = None,
-    count: Annotated[
-        int | None,
-        typer.Option(
-            "--count",
-            help="How many MIG instances (with --mig; default 1).",
-            min=1,
-            max=1024,
-            show_default=False,
-        ),
-    ] = None,
-    slots: Annotated[
-        int | None,
-        typer.Option(
-            "--slots", help="Time-slice or MPS slots.", min=1, max=1024, show_default=False
-        ),
-    ] = None,
+    count: MigCountOption = None,
+    slots: SlotsOption = None,
     pool: Annotated[
         str | None,
         typer.Option(
@@ -1276,18 +1277,8 @@ def find(
             show_default=False,
         ),
     ] = None,
-    count: Annotated[
-        int | None,
-        typer.Option(
-            "--count", help="How many MIG instances (with --mig; default 1).", min=1, max=1024
-        ),
-    ] = None,
-    slots: Annotated[
-        int | None,
-        typer.Option(
-            "--slots", help="Time-slice or MPS slots.", min=1, max=1024, show_default=False
-        ),
-    ] = None,
+    count: MigCountOption = None,
+    slots: SlotsOption = None,
     duration: Annotated[
         str,
         typer.Option(
