@@ -20,9 +20,11 @@ lock (``store/budgets.py``). This module never calls the policy engine.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg.errors
@@ -31,7 +33,7 @@ from bettercompute.core import attributes, errors, hosts, placement, pools, stat
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import budgets, journal, placing, preempting, quotas, views
 from bettercompute.store import pools as pool_rows
-from bettercompute.store.database import Database, jsonb, script, scripted
+from bettercompute.store.database import Conn, Database, jsonb, script, scripted
 
 #: The ``Queued`` condition's message while a reservation waits for its batch.
 QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
@@ -49,8 +51,6 @@ _QUEUE = f"""
                %s, %s, %s, %s::bigint * interval '1 millisecond') q
       LEFT JOIN LATERAL (SELECT (q.queued).*) r ON true
 """
-# The reservation object, read after an inline transaction 2 committed.
-_VIEW = f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = %s"
 
 
 @dataclass(frozen=True)
@@ -286,19 +286,133 @@ async def commit(
             demand=demand,
             budget_hours=budget_hours,
         )
+    item = _Commit(
+        draft=draft,
+        request=request,
+        duration_ms=duration_ms,
+        actor=actor,
+        tenant_id=tenant_id,
+        context=context,
+        demand=demand,
+        budget_hours=budget_hours,
+    )
+    if budget_hours is not None:
+        # The budget lock comes before the pool lock, everywhere: a group already holds the
+        # pool's, so a create that checks the built-in budget commits on its own.
+        return await _commit_alone(db, item)
+    return await _group_of(db, draft.pool.id).submit(item)
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """One create's transaction 2, as ``commit`` was asked for it."""
+
+    draft: Draft
+    request: Mapping[str, Any]
+    duration_ms: int
+    actor: str
+    tenant_id: str
+    context: Mapping[str, Any]
+    demand: Mapping[str, int]
+    budget_hours: float | None
+
+
+#: The most creates one group commits together: enough to empty a busy pool's queue in one
+#: transaction, few enough that the pool lock is never held long.
+GROUP_MAX = 32
+
+_groups: weakref.WeakKeyDictionary[Database, dict[str, _PoolGroup]] = weakref.WeakKeyDictionary()
+
+
+def _group_of(db: Database, pool_id: str) -> _PoolGroup:
+    by_pool = _groups.setdefault(db, {})
+    group = by_pool.get(pool_id)
+    if group is None:
+        group = by_pool[pool_id] = _PoolGroup(db)
+    return group
+
+
+class _PoolGroup:
+    """Group commit for one pool's inline creates in this process.
+
+    Why: every inline transaction 2 of a pool runs under the pool's lock, so concurrent creates
+    commit one after another, each paying its own lock, round trips and commit. Here the creates
+    that arrive while a group is in flight wait and go together in the next one: one
+    transaction, one pool lock, two round trips and one commit for all of them, each placed in
+    turn against the bookings of the ones before it. Each is answered with exactly its own
+    outcome: a refusal (claim, quota) writes nothing, so it never undoes another's admission,
+    and if the group's writes fail (a stale inventory cache, an error) the group is rolled back
+    whole and every create in it runs again on its own (``_commit_alone``).
+
+    It must never hold a caller's cancellation against the others: the group runs in its own
+    task, and a caller that stopped waiting simply finds its outcome unread.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.waiting: list[tuple[_Commit, asyncio.Future[dict[str, Any]]]] = []
+        self.runner: asyncio.Task[None] | None = None
+
+    async def submit(self, item: _Commit) -> dict[str, Any]:
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting.append((item, future))
+        if self.runner is None:
+            self.runner = asyncio.create_task(self._run())
+        return await asyncio.shield(future)
+
+    async def _run(self) -> None:
+        try:
+            while self.waiting:
+                batch, self.waiting = self.waiting[:GROUP_MAX], self.waiting[GROUP_MAX:]
+                try:
+                    answers = await _commit_group(self.db, [item for item, _ in batch])
+                except BaseException as e:  # every waiter learns it, then it goes on
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    continue
+                for (_, future), answer in zip(batch, answers, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(answer, BaseException):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+        finally:
+            self.runner = None
+
+
+async def _commit_group(db: Database, items: list[_Commit]) -> list[dict[str, Any] | Exception]:
+    """The group's transaction; if its writes fail, each create again on its own."""
+    if len(items) == 1:
+        try:
+            return [await _commit_alone(db, items[0])]
+        except Exception as e:
+            return [e]
+    try:
+        return await _commit_together(db, items)
+    except psycopg.Error:
+        # Rolled back whole, nothing written: each create runs again alone and meets its
+        # own outcome (the one that failed the group among them).
+        answers: list[dict[str, Any] | Exception] = []
+        for item in items:
+            try:
+                answers.append(await _commit_alone(db, item))
+            except Exception as e:
+                answers.append(e)
+        return answers
+
+
+async def _commit_alone(db: Database, item: _Commit) -> dict[str, Any]:
+    """One create's transaction 2 on its own transaction."""
     for attempt in range(2):
         try:
-            return await _commit_once(
-                db,
-                draft=draft,
-                request=request,
-                duration_ms=duration_ms,
-                actor=actor,
-                tenant_id=tenant_id,
-                context=context,
-                demand=demand,
-                budget_hours=budget_hours,
-            )
+            [answer] = await _commit_together(db, [item])
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
         except psycopg.errors.ExclusionViolation:
             # The pool lock makes this a stale inventory cache at worst (a node that changed
             # pools mid-flight): the transaction rolled back whole, so simply run it again.
@@ -369,127 +483,229 @@ def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
         raise quotas.short_error(begun["quota_short"])
 
 
-async def _commit_once(
-    db: Database,
-    *,
-    draft: Draft,
-    request: Mapping[str, Any],
-    duration_ms: int,
-    actor: str,
-    tenant_id: str,
-    context: Mapping[str, Any],
-    demand: Mapping[str, int],
-    budget_hours: float | None,
-) -> dict[str, Any]:
-    # Two round trips under the pool lock: begin (claim, budget, pool lock, quota, window, busy
-    # atoms), then the writes and the commit; placement is decided in Python in between. The
-    # reservation object is read after the commit.
-    resources = sorted(demand)
+#: Transaction 2's first step for one create: claim, budget, pool lock, quota, window, busy
+#: atoms (``bc_admission_begin``).
+_BEGIN = (
+    "SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
+    " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)"
+)
+
+
+@dataclass
+class _Booked:
+    """What a create earlier in the group books: the later ones place around it."""
+
+    start: dt.datetime
+    end: dt.datetime
+    atoms: list[str]
+    #: Per node, the host it books: [vcpu, memoryGiB, hugepages1Gi].
+    host: dict[str, list[int]]
+
+
+async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str, Any] | Exception]:
+    """Transaction 2 of ``items`` (of one pool) in one transaction: two round trips under the
+    pool lock, however many creates, and the reservation objects read once committed.
+
+    Round trip one begins every create (``bc_admission_begin``: claim, budget, pool lock, quota,
+    window, busy atoms); each is placed in Python in turn, against the bookings the database
+    holds and those of the creates before it in the group; round trip two writes them all,
+    commits, and reads the reservation objects. A create whose begin was refused (claim taken
+    over, budget or quota short) wrote nothing and is answered with its refusal. Raises
+    ``psycopg.Error`` when the writes fail: then nothing of the group was written.
+    """
+    # Quota rows are locked in tenant order, everywhere a transaction locks more than one
+    # tenant's: two groups of different pools never wait on each other in a circle.
+    order = sorted(range(len(items)), key=lambda k: items[k].tenant_id)
+    answers: list[dict[str, Any] | Exception | None] = [None] * len(items)
+    pool_id = items[0].draft.pool.id
+    begin_params: list[Any] = []
+    for k in order:
+        item = items[k]
+        resources = sorted(item.demand)
+        begin_params += [
+            item.draft.idempotency_id,
+            item.draft.claim,
+            pool_id,
+            item.tenant_id,
+            resources,
+            [item.demand[r] for r in resources],
+            item.request.get("start"),
+            item.duration_ms,
+            item.draft.reservation_id,
+            item.budget_hours,
+            bool(pools.demand(request=item.request).host),
+        ]
+    placed_ids: list[str] = []
+    async with scripted(db) as conn:
+        begun_rows = await script(conn, "BEGIN; " + "; ".join([_BEGIN] * len(items)), begin_params)
+        group = _Written()
+        for k, [begun] in zip(order, begun_rows, strict=True):
+            item = items[k]
+            try:
+                # A refusal wrote nothing: the others go on.
+                _refuse_unless_admitted(begun, item.draft)
+            except ComputeError as e:
+                answers[k] = e
+                continue
+            sql, params, placed = await _place_one(conn, db, item, begun, group)
+            if placed is not None:
+                group.booked.append(placed)
+            group.sql += [sql, "SELECT bc_admission_done(%s, %s, %s, %s, %s, %s)"]
+            group.params += [
+                *params,
+                item.draft.idempotency_id,
+                item.draft.reservation_id,
+                item.actor,
+                item.tenant_id,
+                "placed" if placed is not None else "pending",
+                jsonb(dict(item.context)),
+            ]
+            placed_ids.append(item.draft.reservation_id)
+        if not placed_ids:
+            return [a for a in answers if a is not None]  # all refused: rolled back
+        # The writes and the commit, then the objects as committed, outside the pool lock.
+        results = await script(
+            conn,
+            "; ".join(group.sql) + f"; COMMIT; SELECT {views.COLUMNS} FROM reservations r"
+            " WHERE r.id = ANY(%s)",
+            [*group.params, placed_ids],
+        )
+    by_id = {row["id"]: views.to_view(row) for row in results[-1]}
+    for k, item in enumerate(items):
+        if answers[k] is None:
+            answers[k] = by_id[item.draft.reservation_id]
+    return [a for a in answers if a is not None]
+
+
+@dataclass
+class _Written:
+    """The group's writes not sent yet, and what they book."""
+
+    sql: list[str] = field(default_factory=list)
+    params: list[Any] = field(default_factory=list)
+    booked: list[_Booked] = field(default_factory=list)
+    #: A preemption changed the bookings after the group's begins read them: every later
+    #: create reads them again.
+    stale: bool = False
+
+    async def flush(self, conn: Conn) -> None:
+        """Send the writes so far: the database sees the group's bookings from now on."""
+        if self.sql:
+            await script(conn, "; ".join(self.sql), self.params)
+        self.sql, self.params, self.booked = [], [], []
+
+
+async def _place_one(
+    conn: Conn, db: Database, item: _Commit, begun: Mapping[str, Any], group: _Written
+) -> tuple[str, tuple[Any, ...], _Booked | None]:
+    """Place one begun create: its writes (bookings and ``placed``, or ``pending``), and what
+    it books for the creates after it (``None`` when it went pending)."""
+    draft, request = item.draft, item.request
     wanted = pools.demand(request=request)
     host = wanted.host
-    async with scripted(db) as conn:
-        [[begun]] = await script(
-            conn,
-            "BEGIN; SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
-            " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)",
-            (
-                draft.idempotency_id,
-                draft.claim,
-                draft.pool.id,
-                tenant_id,
-                resources,
-                [demand[r] for r in resources],
-                request.get("start"),
-                duration_ms,
-                draft.reservation_id,
-                budget_hours,
-                bool(host),
-            ),
-        )
-        # A refusal leaves the block, which rolls the transaction back, and with it the locks.
-        _refuse_unless_admitted(begun, draft)
-        now, start, end = begun["now_"], begun["start_"], begun["end_"]
-        snap = await placing.snapshot_from(
+    now, start, end = begun["now_"], begun["start_"], begun["end_"]
+    if group.stale:
+        await group.flush(conn)
+        snap = await placing.snapshot(
             conn,
             cache=db.inventory,
             pool_id=draft.pool.id,
-            version=int(begun["inventory_version"]),
-            busy=begun["busy"],
-            host_busy=begun["host_busy"],
+            start=start,
+            end=end,
+            ignore_reservation=draft.reservation_id,
         )
-        outcome = placement.place(snapshot=snap, demand=wanted)
-        if (
-            isinstance(outcome, placement.NoFit)
-            and not outcome.never
-            and not request.get("spot")
-            and request.get("binding") != "node"
-        ):
-            # A regular request may take the capacity of spot work (never the other way).
-            preempted = await preempting.preempt(
-                conn,
-                cache=db.inventory,
-                pool_id=draft.pool.id,
-                reservation_id=draft.reservation_id,
-                demand=wanted,
-                start=start,
-                end=end,
-                now=now,
-                notice=dt.timedelta(seconds=draft.pool.spot_notice_s),
-            )
-            if preempted is not None:
-                outcome, snap, start, end = preempted
-        lease = (
-            now + dt.timedelta(seconds=int(request["leaseSeconds"]))
-            if request.get("leaseSeconds")
-            else None
-        )
-        if isinstance(outcome, placement.Placed):
-            book_sql, book_params = placing.book_statement(
-                reservation_id=draft.reservation_id,
-                pool_id=draft.pool.id,
-                outcome=outcome,
-                atom_of=placing.atoms_by_id(snap),
-                start=start,
-                end=end,
-                host=host,
-            )
-            mark_sql, mark_params = placing.mark_placed_statement(
-                reservation_id=draft.reservation_id,
-                pool_id=draft.pool.id,
-                outcome=outcome,
-                start=start,
-                end=end,
-                lease=lease,
-                now=now,
-                quota_charge=demand,
-            )
-            apply_sql = f"{book_sql}; {mark_sql}"
-            apply_params: tuple[Any, ...] = (*book_params, *mark_params)
-            result = "placed"
-        else:
-            apply_sql, apply_params = placing.mark_pending_statement(
-                reservation_id=draft.reservation_id,
-                pool_id=draft.pool.id,
-                message=outcome.message,
-                now=now,
-                first=True,
-                quota_charge=demand,
-            )
-            result = "pending"
-        await script(
+    else:
+        snap = await _snapshot_in_group(conn, db, draft.pool.id, begun, group.booked)
+    outcome = placement.place(snapshot=snap, demand=wanted)
+    if (
+        isinstance(outcome, placement.NoFit)
+        and not outcome.never
+        and not request.get("spot")
+        and request.get("binding") != "node"
+    ):
+        # A regular request may take the capacity of spot work (never the other way). The
+        # preemption reads the bookings, so the group's writes so far go first.
+        await group.flush(conn)
+        group.stale = True
+        preempted = await preempting.preempt(
             conn,
-            f"{apply_sql}; SELECT bc_admission_done(%s, %s, %s, %s, %s, %s); COMMIT",
-            (
-                *apply_params,
-                draft.idempotency_id,
-                draft.reservation_id,
-                actor,
-                tenant_id,
-                result,
-                jsonb(dict(context)),
-            ),
+            cache=db.inventory,
+            pool_id=draft.pool.id,
+            reservation_id=draft.reservation_id,
+            demand=wanted,
+            start=start,
+            end=end,
+            now=now,
+            notice=dt.timedelta(seconds=draft.pool.spot_notice_s),
         )
-        # Read once committed, outside the pool lock, as a prepared statement.
-        row = await (await conn.execute(_VIEW, (draft.reservation_id,), prepare=True)).fetchone()
-    assert row is not None
-    return views.to_view(row)
+        if preempted is not None:
+            outcome, snap, start, end = preempted
+    lease = (
+        now + dt.timedelta(seconds=int(request["leaseSeconds"]))
+        if request.get("leaseSeconds")
+        else None
+    )
+    if not isinstance(outcome, placement.Placed):
+        sql, params = placing.mark_pending_statement(
+            reservation_id=draft.reservation_id,
+            pool_id=draft.pool.id,
+            message=outcome.message,
+            now=now,
+            first=True,
+            quota_charge=item.demand,
+        )
+        return sql, params, None
+    book_sql, book_params = placing.book_statement(
+        reservation_id=draft.reservation_id,
+        pool_id=draft.pool.id,
+        outcome=outcome,
+        atom_of=placing.atoms_by_id(snap),
+        start=start,
+        end=end,
+        host=host,
+    )
+    mark_sql, mark_params = placing.mark_placed_statement(
+        reservation_id=draft.reservation_id,
+        pool_id=draft.pool.id,
+        outcome=outcome,
+        start=start,
+        end=end,
+        lease=lease,
+        now=now,
+        quota_charge=item.demand,
+    )
+    host_row = [int((host or {}).get(k, 0)) for k in ("vcpu", "memoryGiB", "hugepages1Gi")]
+    mine = _Booked(
+        start=start,
+        end=end,
+        atoms=[a for m in outcome.members for a in m.atom_ids],
+        host={m.node_id: host_row for m in outcome.members} if any(host_row) else {},
+    )
+    return f"{book_sql}; {mark_sql}", (*book_params, *mark_params), mine
+
+
+async def _snapshot_in_group(
+    conn: Conn, db: Database, pool_id: str, begun: Mapping[str, Any], booked: list[_Booked]
+) -> placement.Snapshot:
+    """The snapshot a begin read, with what the creates before it in the group book in its
+    window (not written yet) added as busy."""
+    start, end = begun["start_"], begun["end_"]
+    busy = list(begun["busy"])
+    host_busy: dict[str, list[int]] = {
+        node: [int(v) for v in use] for node, use in (begun["host_busy"] or {}).items()
+    }
+    for other in booked:
+        if other.start < end and start < other.end:
+            busy += other.atoms
+            for node, use in other.host.items():
+                sums = host_busy.setdefault(node, [0, 0, 0])
+                for n, v in enumerate(use):
+                    sums[n] += v
+    return await placing.snapshot_from(
+        conn,
+        cache=db.inventory,
+        pool_id=pool_id,
+        version=int(begun["inventory_version"]),
+        busy=busy,
+        host_busy=host_busy,
+    )
