@@ -1,7 +1,8 @@
 """Group commit of inline creates: concurrent transaction 2s of one pool share one database
 transaction, and each create still meets exactly its own outcome — placed on devices no other
 create of the group holds, pending when the pool is full, refused for quota without undoing
-anyone else's admission, and a preemption that sees the group's bookings before it. Real
+anyone else's admission, and a preemption that sees the group's bookings before it; and on a
+pool-lease pool, the queueing of concurrent creates shares one commit the same way. Real
 PostgreSQL, through ReservationService.
 
 Whether creates really shared a transaction is read from the database itself: rows one
@@ -17,6 +18,7 @@ from bettercompute.core.errors import ComputeError
 from bettercompute.service.reservations import ReservationService
 from bettercompute.store.database import Database
 from tests.store.test_lifecycle import create, get, quota_used, world
+from tests.support.placers import placer_policy, placers
 
 LATER = 4_000_000_000_000  # one future window for every create: they all compete for it
 
@@ -104,3 +106,47 @@ async def test_a_preemption_in_a_group_sees_the_bookings_of_the_creates_before_i
     # fail the group on a device the preemption's snapshot did not know was taken.
     assert len({r["tx"] for r in rows}) < 8
     assert (await get(service, spot["id"]))["state"] == "pending"
+
+
+# --- pool-lease: the queueing transactions of concurrent creates share one commit ----------
+
+
+async def queued_events(db: Database) -> list[dict[str, Any]]:
+    async with db.connection() as conn:
+        return await (
+            await conn.execute(
+                "SELECT subject, xmin::text AS tx FROM outbox WHERE type = 'reservation.queued'"
+            )
+        ).fetchall()
+
+
+async def test_pool_lease_creates_queue_together_and_each_is_placed_once(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db, nodes=2, gpus=8, quota=100, policy=placer_policy("pool-lease"))
+    async with placers(db, [service]):
+        views = await create_many(service, 24, wait={"timeoutMs": 20_000})
+    assert not [v for v in views if isinstance(v, ComputeError)]
+    states = sorted(v["state"] for v in views if isinstance(v, dict))
+    assert states == ["pending"] * 8 + ["placed"] * 16
+    rows = await booked(db)
+    assert len({r["atom_id"] for r in rows}) == len(rows) == 16
+    events = await queued_events(db)
+    assert len(events) == 24  # one reservation.queued each, never twice
+    assert len({e["tx"] for e in events}) < 24  # committed together
+    assert await quota_used(db) == 24
+
+
+async def test_a_quota_refusal_in_a_pool_lease_group_undoes_no_other_admission(
+    db: Database, service: ReservationService
+) -> None:
+    await world(db, nodes=2, gpus=8, quota=5, policy=placer_policy("pool-lease"))
+    async with placers(db, [service]):
+        views = await create_many(service, 12, wait={"timeoutMs": 20_000})
+    refused = [v for v in views if isinstance(v, ComputeError)]
+    assert {e.code for e in refused} == {"QUOTA_EXCEEDED"}
+    assert len(refused) == 7
+    placed = [v for v in views if isinstance(v, dict)]
+    assert {v["state"] for v in placed} == {"placed"}
+    assert len(await queued_events(db)) == 5
+    assert await quota_used(db) == 5

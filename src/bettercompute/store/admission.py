@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from bettercompute.core import attributes, errors, hosts, placement, pools, stat
 from bettercompute.core.errors import ComputeError, ErrorCode
 from bettercompute.store import budgets, journal, placing, preempting, quotas, views
 from bettercompute.store import pools as pool_rows
-from bettercompute.store.database import Conn, Database, jsonb, script, scripted
+from bettercompute.store.database import Conn, Database, Row, jsonb, script, scripted
 
 #: The ``Queued`` condition's message while a reservation waits for its batch.
 QUEUED_MESSAGE = "waiting for the pool-lease placer's next batch"
@@ -276,16 +276,6 @@ async def commit(
         **attributes.quota_demand(request, gpu_model=draft.pool.gpu_model),
         **hosts.quota_excess(request, host_share=draft.host_share),
     }
-    if draft.pool.pool_lease:
-        return await _queue(
-            db,
-            draft=draft,
-            actor=actor,
-            tenant_id=tenant_id,
-            context=context,
-            demand=demand,
-            budget_hours=budget_hours,
-        )
     item = _Commit(
         draft=draft,
         request=request,
@@ -297,10 +287,12 @@ async def commit(
         budget_hours=budget_hours,
     )
     if budget_hours is not None:
-        # The budget lock comes before the pool lock, everywhere: a group already holds the
-        # pool's, so a create that checks the built-in budget commits on its own.
-        return await _commit_alone(db, item)
-    return await _group_of(db, draft.pool.id).submit(item)
+        # The budget lock comes before the pool lock and the quota rows, everywhere: a group
+        # already holds those, so a create that checks the built-in budget commits on its own.
+        return await (_queue_alone if draft.pool.pool_lease else _commit_alone)(db, item)
+    if draft.pool.pool_lease:
+        return await _group_of(db, draft.pool.id, _queue_group).submit(item)
+    return await _group_of(db, draft.pool.id, _commit_group).submit(item)
 
 
 @dataclass(frozen=True)
@@ -321,40 +313,51 @@ class _Commit:
 #: transaction, few enough that the pool lock is never held long.
 GROUP_MAX = 32
 
-_groups: weakref.WeakKeyDictionary[Database, dict[str, _PoolGroup]] = weakref.WeakKeyDictionary()
+#: A group's transaction: each create's answer, in order (its reservation or its refusal).
+GroupRun = Callable[["Database", list["_Commit"]], Awaitable[list[dict[str, Any] | Exception]]]
+
+_groups: weakref.WeakKeyDictionary[Database, dict[tuple[str, GroupRun], _PoolGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _group_of(db: Database, pool_id: str) -> _PoolGroup:
+def _group_of(db: Database, pool_id: str, run: GroupRun) -> _PoolGroup:
     by_pool = _groups.setdefault(db, {})
-    group = by_pool.get(pool_id)
+    group = by_pool.get((pool_id, run))
     if group is None:
-        group = by_pool[pool_id] = _PoolGroup(db)
+        group = by_pool[pool_id, run] = _PoolGroup(db, run)
     return group
 
 
 class _PoolGroup:
-    """Group commit for one pool's inline creates in this process.
+    """Group commit for one pool's creates in this process.
 
-    Why: every inline transaction 2 of a pool runs under the pool's lock, so concurrent creates
-    commit one after another, each paying its own lock, round trips and commit. Here the creates
+    Why: every inline transaction 2 of a pool runs under the pool's lock, and every transaction
+    2 of one tenant under its quota rows' locks, so concurrent creates commit one after
+    another, each paying its own lock, round trips and commit (a WAL flush). Here the creates
     that arrive while a group is in flight wait and go together in the next one: one
-    transaction, one pool lock, two round trips and one commit for all of them, each placed in
-    turn against the bookings of the ones before it. Each is answered with exactly its own
-    outcome: a refusal (claim, quota) writes nothing, so it never undoes another's admission,
-    and if the group's writes fail (a stale inventory cache, an error) the group is rolled back
-    whole and every create in it runs again on its own (``_commit_alone``).
+    transaction and one commit for all of them. Inline (``_commit_group``): one pool lock and
+    two round trips, each create placed in turn against the bookings of the ones before it.
+    Pool-lease (``_queue_group``): one round trip that queues them all. Each is answered with
+    exactly its own outcome: a refusal (claim, budget, quota) writes nothing, so it never
+    undoes another's admission, and if the group's writes fail (a stale inventory cache, an
+    error) the group is rolled back whole and every create in it runs again on its own.
 
     It must never hold a caller's cancellation against the others: the group runs in its own
     task, and a caller that stopped waiting simply finds its outcome unread.
     """
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, run: GroupRun) -> None:
         self.db = db
+        self.run = run
         self.waiting: list[tuple[_Commit, asyncio.Future[dict[str, Any]]]] = []
         self.runner: asyncio.Task[None] | None = None
 
     async def submit(self, item: _Commit) -> dict[str, Any]:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        # A caller that stopped waiting never reads its outcome: read here, so a refusal
+        # nobody awaits is not logged as an error never retrieved.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.waiting.append((item, future))
         if self.runner is None:
             self.runner = asyncio.create_task(self._run())
@@ -365,7 +368,7 @@ class _PoolGroup:
             while self.waiting:
                 batch, self.waiting = self.waiting[:GROUP_MAX], self.waiting[GROUP_MAX:]
                 try:
-                    answers = await _commit_group(self.db, [item for item, _ in batch])
+                    answers = await self.run(self.db, [item for item, _ in batch])
                 except BaseException as e:  # every waiter learns it, then it goes on
                     for _, future in batch:
                         if not future.done():
@@ -421,55 +424,82 @@ async def _commit_alone(db: Database, item: _Commit) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-async def _queue(
-    db: Database,
-    *,
-    draft: Draft,
-    actor: str,
-    tenant_id: str,
-    context: Mapping[str, Any],
-    demand: Mapping[str, int],
-    budget_hours: float | None,
-) -> dict[str, Any]:
+def _queue_params(item: _Commit) -> tuple[Any, ...]:
+    draft, resources = item.draft, sorted(item.demand)
+    return (
+        draft.idempotency_id,
+        draft.claim,
+        draft.pool.id,
+        item.tenant_id,
+        resources,
+        [item.demand[r] for r in resources],
+        draft.reservation_id,
+        item.budget_hours,
+        states.Condition.QUEUED.value,
+        states.Reason.POOL_PLACER.value,
+        QUEUED_MESSAGE,
+        jsonb(dict(item.demand)),
+        item.actor,
+        jsonb(dict(item.context)),
+        draft.pool.max_pending_ms + 1,
+    )
+
+
+async def _queue_alone(db: Database, item: _Commit) -> dict[str, Any]:
     """Transaction 2 on a pool-lease pool: quota charged, the reservation queued (``pending``
     with ``Queued/PoolPlacer``) for the holder of the pool's lease to place in its next batch.
 
     No pool lock and no snapshot: that is the batch's work (``store/batching.py``), which is
     what lets creates on one pool commit side by side.
     """
-    resources = sorted(demand)
     async with db.connection() as conn:
         # One statement, alone, in autocommit: the server commits as soon as it ran, so the
         # tenant's quota rows it locks wait for nothing this process does (migration 0015). On
         # a refusal (claim lost, budget or quota short) it wrote nothing. The pool's maxPending
         # holds while queued too: a wake-up the first millisecond past it (exactly maxPending
         # still waits), even when no replica runs the placer.
-        row = await (
-            await conn.execute(
-                _QUEUE,
-                (
-                    draft.idempotency_id,
-                    draft.claim,
-                    draft.pool.id,
-                    tenant_id,
-                    resources,
-                    [demand[r] for r in resources],
-                    draft.reservation_id,
-                    budget_hours,
-                    states.Condition.QUEUED.value,
-                    states.Reason.POOL_PLACER.value,
-                    QUEUED_MESSAGE,
-                    jsonb(dict(demand)),
-                    actor,
-                    jsonb(dict(context)),
-                    draft.pool.max_pending_ms + 1,
-                ),
-                prepare=True,
-            )
-        ).fetchone()
+        row = await (await conn.execute(_QUEUE, _queue_params(item), prepare=True)).fetchone()
     assert row is not None
-    _refuse_unless_admitted(row, draft)
+    _refuse_unless_admitted(row, item.draft)
     return views.to_view(row)
+
+
+async def _queue_group(db: Database, items: list[_Commit]) -> list[dict[str, Any] | Exception]:
+    """Transaction 2 of ``items`` on a pool-lease pool in one transaction and one round trip
+    (pipelined, the statement prepared), then each create's answer; if the transaction fails,
+    each create again on its own."""
+    if len(items) > 1:
+        # Quota rows are locked in tenant order, as a group on any pool locks them.
+        order = sorted(range(len(items)), key=lambda k: items[k].tenant_id)
+        try:
+            rows: list[Row | None] = [None] * len(items)
+            async with db.connection() as conn, conn.pipeline(), conn.transaction():
+                cur = conn.cursor()
+                await cur.executemany(
+                    _QUEUE, [_queue_params(items[k]) for k in order], returning=True
+                )
+                for k in order:
+                    rows[k] = await cur.fetchone()
+                    cur.nextset()
+        except psycopg.Error:
+            pass  # rolled back whole, nothing written: each on its own, below
+        else:
+            answers: list[dict[str, Any] | Exception] = []
+            for item, row in zip(items, rows, strict=True):
+                assert row is not None
+                try:
+                    _refuse_unless_admitted(row, item.draft)
+                    answers.append(views.to_view(row))
+                except ComputeError as e:
+                    answers.append(e)
+            return answers
+    alone: list[dict[str, Any] | Exception] = []
+    for item in items:
+        try:
+            alone.append(await _queue_alone(db, item))
+        except Exception as e:
+            alone.append(e)
+    return alone
 
 
 def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
