@@ -513,12 +513,14 @@ def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
         raise quotas.short_error(begun["quota_short"])
 
 
-#: Transaction 2's first step for one create: claim, budget, pool lock, quota, window, busy
-#: atoms (``bc_admission_begin``).
-_BEGIN = (
-    "SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
-    " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)"
+#: Transaction 2's first step for one create: claim, budget, pool lock, quota, window
+#: (``bc_admission_charge``).
+_CHARGE = (
+    "SELECT * FROM bc_admission_charge(%s, %s, %s, %s, %s, %s,"
+    " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s::numeric)"
 )
+#: Then, once for the group, what is booked in each distinct window of its creates.
+_WINDOWS = "SELECT * FROM bc_busy_windows(%s, %s::timestamptz[], %s::interval[], %s, %s)"
 
 
 @dataclass
@@ -536,23 +538,24 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
     """Transaction 2 of ``items`` (of one pool) in one transaction: two round trips under the
     pool lock, however many creates, and the reservation objects read once committed.
 
-    Round trip one begins every create (``bc_admission_begin``: claim, budget, pool lock, quota,
-    window, busy atoms); each is placed in Python in turn, against the bookings the database
-    holds and those of the creates before it in the group; round trip two writes them all,
-    commits, and reads the reservation objects. A create whose begin was refused (claim taken
-    over, budget or quota short) wrote nothing and is answered with its refusal. Raises
-    ``psycopg.Error`` when the writes fail: then nothing of the group was written.
+    Round trip one charges every create (``bc_admission_charge``: claim, budget, pool lock,
+    quota, window) and reads what is booked in each distinct window once
+    (``bc_busy_windows``); each is placed in Python in turn, against those bookings and the
+    ones of the creates before it in the group; round trip two writes them all, commits, and
+    reads the reservation objects. A create whose charge was refused (claim taken over, budget
+    or quota short) wrote nothing and is answered with its refusal. Raises ``psycopg.Error``
+    when the writes fail: then nothing of the group was written.
     """
     # Quota rows are locked in tenant order, everywhere a transaction locks more than one
     # tenant's: two groups of different pools never wait on each other in a circle.
     order = sorted(range(len(items)), key=lambda k: items[k].tenant_id)
     answers: list[dict[str, Any] | Exception | None] = [None] * len(items)
     pool_id = items[0].draft.pool.id
-    begin_params: list[Any] = []
+    charge_params: list[Any] = []
     for k in order:
         item = items[k]
         resources = sorted(item.demand)
-        begin_params += [
+        charge_params += [
             item.draft.idempotency_id,
             item.draft.claim,
             pool_id,
@@ -561,13 +564,23 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
             [item.demand[r] for r in resources],
             item.request.get("start"),
             item.duration_ms,
-            item.draft.reservation_id,
             item.budget_hours,
-            bool(pools.demand(request=item.request).host),
         ]
+    windows_params = (
+        pool_id,
+        [_start_of(item.request) for item in items],
+        [dt.timedelta(milliseconds=item.duration_ms) for item in items],
+        [item.draft.reservation_id for item in items],
+        any(pools.demand(request=item.request).host for item in items),
+    )
     placed_ids: list[str] = []
     async with scripted(db) as conn:
-        begun_rows = await script(conn, "BEGIN; " + "; ".join([_BEGIN] * len(items)), begin_params)
+        *begun_rows, window_rows = await script(
+            conn,
+            "BEGIN; " + "; ".join([_CHARGE] * len(items)) + "; " + _WINDOWS,
+            [*charge_params, *windows_params],
+        )
+        windows = {(w["start_"], w["end_"]): w for w in window_rows if not w["own_booked"]}
         group = _Written()
         for k, [begun] in zip(order, begun_rows, strict=True):
             item = items[k]
@@ -577,7 +590,8 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
             except ComputeError as e:
                 answers[k] = e
                 continue
-            sql, params, placed = await _place_one(conn, db, item, begun, group)
+            window = windows.get((begun["start_"], begun["end_"]))
+            sql, params, placed = await _place_one(conn, db, item, begun, window, group)
             if placed is not None:
                 group.booked.append(placed)
             group.sql += [sql, "SELECT bc_admission_done(%s, %s, %s, %s, %s, %s)"]
@@ -626,15 +640,23 @@ class _Written:
 
 
 async def _place_one(
-    conn: Conn, db: Database, item: _Commit, begun: Mapping[str, Any], group: _Written
+    conn: Conn,
+    db: Database,
+    item: _Commit,
+    begun: Mapping[str, Any],
+    window: Mapping[str, Any] | None,
+    group: _Written,
 ) -> tuple[str, tuple[Any, ...], _Booked | None]:
-    """Place one begun create: its writes (bookings and ``placed``, or ``pending``), and what
-    it books for the creates after it (``None`` when it went pending)."""
+    """Place one charged create: its writes (bookings and ``placed``, or ``pending``), and
+    what it books for the creates after it (``None`` when it went pending).
+
+    ``window``: what ``bc_busy_windows`` read of its window; ``None`` when it could not say
+    (the window holds bookings of the group's own reservations): then read for it alone."""
     draft, request = item.draft, item.request
     wanted = pools.demand(request=request)
     host = wanted.host
     now, start, end = begun["now_"], begun["start_"], begun["end_"]
-    if group.stale:
+    if group.stale or window is None:
         await group.flush(conn)
         snap = await placing.snapshot(
             conn,
@@ -645,7 +667,7 @@ async def _place_one(
             ignore_reservation=draft.reservation_id,
         )
     else:
-        snap = await _snapshot_in_group(conn, db, draft.pool.id, begun, group.booked)
+        snap = await _snapshot_in_group(conn, db, draft.pool.id, begun, window, group.booked)
     outcome = placement.place(snapshot=snap, demand=wanted)
     if (
         isinstance(outcome, placement.NoFit)
@@ -715,14 +737,19 @@ async def _place_one(
 
 
 async def _snapshot_in_group(
-    conn: Conn, db: Database, pool_id: str, begun: Mapping[str, Any], booked: list[_Booked]
+    conn: Conn,
+    db: Database,
+    pool_id: str,
+    begun: Mapping[str, Any],
+    window: Mapping[str, Any],
+    booked: list[_Booked],
 ) -> placement.Snapshot:
-    """The snapshot a begin read, with what the creates before it in the group book in its
-    window (not written yet) added as busy."""
+    """The snapshot of a charged create's window as the group read it, with what the creates
+    before it in the group book there (not written yet) added as busy."""
     start, end = begun["start_"], begun["end_"]
-    busy = list(begun["busy"])
+    busy = list(window["busy"])
     host_busy: dict[str, list[int]] = {
-        node: [int(v) for v in use] for node, use in (begun["host_busy"] or {}).items()
+        node: [int(v) for v in use] for node, use in (window["host_busy"] or {}).items()
     }
     for other in booked:
         if other.start < end and start < other.end:
@@ -739,3 +766,9 @@ async def _snapshot_in_group(
         busy=busy,
         host_busy=host_busy,
     )
+
+
+def _start_of(request: Mapping[str, Any]) -> dt.datetime | None:
+    """The requested start (epoch ms) as the charge reads it (``to_timestamp(ms / 1000.0)``)."""
+    start = request.get("start")
+    return None if start is None else dt.datetime.fromtimestamp(start / 1000, tz=dt.UTC)
