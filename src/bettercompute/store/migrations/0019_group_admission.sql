@@ -60,7 +60,11 @@ CREATE FUNCTION bc_busy_windows(
     p_hosts boolean)
 RETURNS TABLE (start_ timestamptz, end_ timestamptz, busy text[], host_busy jsonb,
                own_booked bigint)
-LANGUAGE sql STABLE AS $$
+-- PL/pgSQL rather than SQL: its plan is made once per session and kept, where a SQL function
+-- this size would be inlined into every call and planned again each time.
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY
     SELECT win.s, win.e, u.busy, u.host_busy, u.own
       FROM (SELECT DISTINCT n.s, n.s + x.d AS e
               FROM unnest(p_requested, p_durations) AS x(r, d),
@@ -84,5 +88,5 @@ LANGUAGE sql STABLE AS $$
                               GROUP BY w.host_node) h)
                  ELSE '{}'::jsonb END AS host_busy,
                  (SELECT count(*) FROM w WHERE w.own) AS own
-      ) u
-$$;
+      ) u;
+END $$;
