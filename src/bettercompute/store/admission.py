@@ -343,8 +343,10 @@ class _PoolGroup:
     undoes another's admission, and if the group's writes fail (a stale inventory cache, an
     error) the group is rolled back whole and every create in it runs again on its own.
 
-    It must never hold a caller's cancellation against the others: the group runs in its own
-    task, and a caller that stopped waiting simply finds its outcome unread.
+    It must never hold a caller's cancellation against the others: a group runs in its own
+    task, and a caller that stopped waiting simply finds its outcome unread. (A create that
+    finds nothing in flight commits in its own task, alone, exactly as a create did before
+    groups: cancelled, it rolls back only itself.)
     """
 
     def __init__(self, db: Database, run: GroupRun) -> None:
@@ -352,14 +354,30 @@ class _PoolGroup:
         self.run = run
         self.waiting: list[tuple[_Commit, asyncio.Future[dict[str, Any]]]] = []
         self.runner: asyncio.Task[None] | None = None
+        #: A lone create is committing in its caller's task.
+        self.alone = False
 
     async def submit(self, item: _Commit) -> dict[str, Any]:
+        if self.runner is None and not self.alone:
+            # Nothing in flight: this create goes at once, in its caller's task, as a group of
+            # one (no hand-over: a lone create costs what it did before groups); the creates
+            # that arrive meanwhile make up the next group.
+            self.alone = True
+            try:
+                [answer] = await self.run(self.db, [item])
+            finally:
+                self.alone = False
+                if self.waiting and self.runner is None:
+                    self.runner = asyncio.create_task(self._run())
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         # A caller that stopped waiting never reads its outcome: read here, so a refusal
         # nobody awaits is not logged as an error never retrieved.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.waiting.append((item, future))
-        if self.runner is None:
+        if self.runner is None and not self.alone:
             self.runner = asyncio.create_task(self._run())
         return await asyncio.shield(future)
 
@@ -519,6 +537,13 @@ _CHARGE = (
     "SELECT * FROM bc_admission_charge(%s, %s, %s, %s, %s, %s,"
     " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s::numeric)"
 )
+#: A create alone: the charge and the read of its window in one (``bc_admission_begin``).
+_BEGIN = (
+    "SELECT * FROM bc_admission_begin(%s, %s, %s, %s, %s, %s,"
+    " to_timestamp(%s / 1000.0), %s * interval '1 millisecond', %s, %s::numeric, %s)"
+)
+#: The reservation objects, read once the group committed.
+_VIEWS = f"SELECT {views.COLUMNS} FROM reservations r WHERE r.id = ANY(%s)"
 #: Then, once for the group, what is booked in each distinct window of its creates.
 _WINDOWS = "SELECT * FROM bc_busy_windows(%s, %s::timestamptz[], %s::interval[], %s, %s)"
 
@@ -540,11 +565,12 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
 
     Round trip one charges every create (``bc_admission_charge``: claim, budget, pool lock,
     quota, window) and reads what is booked in each distinct window once
-    (``bc_busy_windows``); each is placed in Python in turn, against those bookings and the
-    ones of the creates before it in the group; round trip two writes them all, commits, and
-    reads the reservation objects. A create whose charge was refused (claim taken over, budget
-    or quota short) wrote nothing and is answered with its refusal. Raises ``psycopg.Error``
-    when the writes fail: then nothing of the group was written.
+    (``bc_busy_windows``; a create alone does both in ``bc_admission_begin``). Each is placed
+    in Python in turn, against those bookings and the ones of the creates before it in the
+    group; round trip two writes them all and commits, and the reservation objects are read.
+    A create whose charge was refused (claim taken over, budget or quota short) wrote nothing
+    and is answered with its refusal. Raises ``psycopg.Error`` when the writes fail: then
+    nothing of the group was written.
     """
     # Quota rows are locked in tenant order, everywhere a transaction locks more than one
     # tenant's: two groups of different pools never wait on each other in a circle.
@@ -575,12 +601,28 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
     )
     placed_ids: list[str] = []
     async with scripted(db) as conn:
-        *begun_rows, window_rows = await script(
-            conn,
-            "BEGIN; " + "; ".join([_CHARGE] * len(items)) + "; " + _WINDOWS,
-            [*charge_params, *windows_params],
-        )
-        windows = {(w["start_"], w["end_"]): w for w in window_rows if not w["own_booked"]}
+        if len(items) == 1:
+            # Alone, one statement charges and reads its window (``bc_admission_begin``), as
+            # cheap as it gets for a single create; its row carries what a window row does.
+            item = items[0]
+            [[begun]] = await script(
+                conn,
+                "BEGIN; " + _BEGIN,
+                [
+                    *charge_params[:-1],
+                    item.draft.reservation_id,
+                    item.budget_hours,
+                    bool(pools.demand(request=item.request).host),
+                ],
+            )
+            begun_rows, windows = [[begun]], {(begun["start_"], begun["end_"]): begun}
+        else:
+            *begun_rows, window_rows = await script(
+                conn,
+                "BEGIN; " + "; ".join([_CHARGE] * len(items)) + "; " + _WINDOWS,
+                [*charge_params, *windows_params],
+            )
+            windows = {(w["start_"], w["end_"]): w for w in window_rows if not w["own_booked"]}
         group = _Written()
         for k, [begun] in zip(order, begun_rows, strict=True):
             item = items[k]
@@ -607,14 +649,12 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
             placed_ids.append(item.draft.reservation_id)
         if not placed_ids:
             return [a for a in answers if a is not None]  # all refused: rolled back
-        # The writes and the commit, then the objects as committed, outside the pool lock.
-        results = await script(
-            conn,
-            "; ".join(group.sql) + f"; COMMIT; SELECT {views.COLUMNS} FROM reservations r"
-            " WHERE r.id = ANY(%s)",
-            [*group.params, placed_ids],
-        )
-    by_id = {row["id"]: views.to_view(row) for row in results[-1]}
+        # The writes and the commit; then the objects as committed, outside the pool lock, by
+        # a prepared statement (planned once per connection: in the script it would be planned
+        # for every group).
+        await script(conn, "; ".join(group.sql) + "; COMMIT", group.params)
+        rows = await (await conn.execute(_VIEWS, (placed_ids,), prepare=True)).fetchall()
+    by_id = {row["id"]: views.to_view(row) for row in rows}
     for k, item in enumerate(items):
         if answers[k] is None:
             answers[k] = by_id[item.draft.reservation_id]

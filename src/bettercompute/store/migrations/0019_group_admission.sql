@@ -3,7 +3,8 @@
 -- the read of the bookings) and then reads the bookings of each distinct window once, with
 -- bc_busy_windows, rather than once per create: creates of one group mostly share a window
 -- ("now", or the same future start), and that read was the dearest part of the begin.
--- bc_admission_begin stays, for replicas of the previous version during a rolling upgrade.
+-- bc_admission_begin stays: a create committed alone calls it (one statement for both), and
+-- replicas of the previous version do during a rolling upgrade.
 
 CREATE FUNCTION bc_admission_charge(
     p_idem text, p_claim text, p_pool text, p_tenant text, p_resources text[],
