@@ -407,23 +407,29 @@ class _PoolGroup:
 
 async def _commit_group(db: Database, items: list[_Commit]) -> list[dict[str, Any] | Exception]:
     """The group's transaction; if its writes fail, each create again on its own."""
-    if len(items) == 1:
+    if len(items) > 1:
         try:
-            return [await _commit_alone(db, items[0])]
+            return await _commit_together(db, items)
+        except psycopg.Error:
+            # Rolled back whole, nothing written: each create runs again alone and meets its
+            # own outcome (the one that failed the group among them).
+            pass
+    return await _each_alone(db, items, _commit_alone)
+
+
+async def _each_alone(
+    db: Database,
+    items: list[_Commit],
+    alone: Callable[[Database, _Commit], Awaitable[dict[str, Any]]],
+) -> list[dict[str, Any] | Exception]:
+    """Each create's transaction 2 on its own, one after another: its answer or its error."""
+    answers: list[dict[str, Any] | Exception] = []
+    for item in items:
+        try:
+            answers.append(await alone(db, item))
         except Exception as e:
-            return [e]
-    try:
-        return await _commit_together(db, items)
-    except psycopg.Error:
-        # Rolled back whole, nothing written: each create runs again alone and meets its
-        # own outcome (the one that failed the group among them).
-        answers: list[dict[str, Any] | Exception] = []
-        for item in items:
-            try:
-                answers.append(await _commit_alone(db, item))
-            except Exception as e:
-                answers.append(e)
-        return answers
+            answers.append(e)
+    return answers
 
 
 async def _commit_alone(db: Database, item: _Commit) -> dict[str, Any]:
@@ -511,13 +517,7 @@ async def _queue_group(db: Database, items: list[_Commit]) -> list[dict[str, Any
                 except ComputeError as e:
                     answers.append(e)
             return answers
-    alone: list[dict[str, Any] | Exception] = []
-    for item in items:
-        try:
-            alone.append(await _queue_alone(db, item))
-        except Exception as e:
-            alone.append(e)
-    return alone
+    return await _each_alone(db, items, _queue_alone)
 
 
 def _refuse_unless_admitted(begun: Mapping[str, Any], draft: Draft) -> None:
