@@ -28,11 +28,11 @@ from bettercompute.store import admission, migrating, placing, views
 from bettercompute.store.budgets import DatabaseBudget
 from bettercompute.store.database import Database, jsonb, script, scripted
 from tests.conftest import caller
+from tests.store.test_group_commit import LATER, booked
 from tests.support.database import drop_database, fresh_database
 from tests.support.world import World
 
 BEFORE = 18  # the last migration of the previous version
-LATER = 4_000_000_000_000
 
 
 @pytest.fixture
@@ -172,18 +172,6 @@ async def create_as_previous_version(db: Database, key: str) -> str:
     return rid
 
 
-async def bookings_in_window(db: Database) -> list[dict[str, Any]]:
-    async with db.connection() as conn:
-        return await (
-            await conn.execute(
-                "SELECT b.reservation_id, b.atom_id FROM bookings b"
-                " WHERE b.during && tstzrange(to_timestamp(%s / 1000.0),"
-                "                           to_timestamp(%s / 1000.0 + 3600))",
-                (LATER, LATER),
-            )
-        ).fetchall()
-
-
 async def reservation(db: Database, rid: str) -> dict[str, Any]:
     async with db.connection() as conn:
         row = await (
@@ -243,7 +231,7 @@ async def test_a_database_the_previous_version_filled_migrates_and_is_placed_aro
     views_new = [a for a in answers[:8] if isinstance(a, dict)]
     assert len(views_new) == 8
     assert {v["state"] for v in views_new} == {"placed"}
-    rows = await bookings_in_window(db)
+    rows = await booked(db)
     assert len(rows) == 16  # the pool is exactly full
     assert len({r["atom_id"] for r in rows}) == 16  # and no device twice
     for rid in old:
