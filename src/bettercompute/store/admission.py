@@ -284,6 +284,7 @@ async def commit(
         tenant_id=tenant_id,
         context=context,
         demand=demand,
+        wanted=pools.demand(request=request),
         budget_hours=budget_hours,
     )
     if budget_hours is not None:
@@ -306,6 +307,8 @@ class _Commit:
     tenant_id: str
     context: Mapping[str, Any]
     demand: Mapping[str, int]
+    #: What the placer is asked for (``pools.demand``), worked out once.
+    wanted: placement.Demand
     budget_hours: float | None
 
 
@@ -577,42 +580,20 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
     order = sorted(range(len(items)), key=lambda k: items[k].tenant_id)
     answers: list[dict[str, Any] | Exception | None] = [None] * len(items)
     pool_id = items[0].draft.pool.id
-    charge_params: list[Any] = []
-    for k in order:
-        item = items[k]
-        resources = sorted(item.demand)
-        charge_params += [
-            item.draft.idempotency_id,
-            item.draft.claim,
-            pool_id,
-            item.tenant_id,
-            resources,
-            [item.demand[r] for r in resources],
-            item.request.get("start"),
-            item.duration_ms,
-            item.budget_hours,
-        ]
-    windows_params = (
-        pool_id,
-        [_start_of(item.request) for item in items],
-        [dt.timedelta(milliseconds=item.duration_ms) for item in items],
-        [item.draft.reservation_id for item in items],
-        any(pools.demand(request=item.request).host for item in items),
-    )
     placed_ids: list[str] = []
     async with scripted(db) as conn:
         if len(items) == 1:
             # Alone, one statement charges and reads its window (``bc_admission_begin``), as
             # cheap as it gets for a single create; its row carries what a window row does.
-            item = items[0]
+            [item] = items
             [[begun]] = await script(
                 conn,
                 "BEGIN; " + _BEGIN,
                 [
-                    *charge_params[:-1],
+                    *_charge_params(item),
                     item.draft.reservation_id,
                     item.budget_hours,
-                    bool(pools.demand(request=item.request).host),
+                    bool(item.wanted.host),
                 ],
             )
             begun_rows, windows = [[begun]], {(begun["start_"], begun["end_"]): begun}
@@ -620,7 +601,14 @@ async def _commit_together(db: Database, items: list[_Commit]) -> list[dict[str,
             *begun_rows, window_rows = await script(
                 conn,
                 "BEGIN; " + "; ".join([_CHARGE] * len(items)) + "; " + _WINDOWS,
-                [*charge_params, *windows_params],
+                [
+                    *(p for k in order for p in (*_charge_params(items[k]), items[k].budget_hours)),
+                    pool_id,
+                    [_start_of(item.request) for item in items],
+                    [dt.timedelta(milliseconds=item.duration_ms) for item in items],
+                    [item.draft.reservation_id for item in items],
+                    any(item.wanted.host for item in items),
+                ],
             )
             windows = {(w["start_"], w["end_"]): w for w in window_rows if not w["own_booked"]}
         group = _Written()
@@ -692,8 +680,7 @@ async def _place_one(
 
     ``window``: what ``bc_busy_windows`` read of its window; ``None`` when it could not say
     (the window holds bookings of the group's own reservations): then read for it alone."""
-    draft, request = item.draft, item.request
-    wanted = pools.demand(request=request)
+    draft, request, wanted = item.draft, item.request, item.wanted
     host = wanted.host
     now, start, end = begun["now_"], begun["start_"], begun["end_"]
     if group.stale or window is None:
@@ -806,6 +793,22 @@ async def _snapshot_in_group(
         busy=busy,
         host_busy=host_busy,
     )
+
+
+def _charge_params(item: _Commit) -> list[Any]:
+    """What ``bc_admission_charge`` and ``bc_admission_begin`` both take first: the claim, the
+    pool, the tenant's demand and the window asked for."""
+    resources = sorted(item.demand)
+    return [
+        item.draft.idempotency_id,
+        item.draft.claim,
+        item.draft.pool.id,
+        item.tenant_id,
+        resources,
+        [item.demand[r] for r in resources],
+        item.request.get("start"),
+        item.duration_ms,
+    ]
 
 
 def _start_of(request: Mapping[str, Any]) -> dt.datetime | None:
